@@ -1,0 +1,1 @@
+"""squall runner."""

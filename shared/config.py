@@ -1,0 +1,256 @@
+"""One validated config per run: a TOML or YAML file, overridable per service by
+environment variables ``SQUALL_<SECTION>__<FIELD>`` (e.g. ``SQUALL_TRAINER__LR=1e-5``).
+
+Every section is one pydantic model with a docstring per field and bounds; an unknown or
+bad value is a ConfigError naming the field (``trainer.lr: must be > 0, got -1``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import ConfigError
+from .keys import RUN_NAME_PATTERN
+
+ENV_PREFIX = "SQUALL_"
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunSection(Section):
+    name: str = Field("default", pattern=RUN_NAME_PATTERN.pattern)
+    """Run name; every Redis key lives under squall:{name}:."""
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    """Redis URL (redis:// or rediss:// for TLS, user:password@ for ACL users)."""
+    autostart_redis: bool = True
+    """Start a local Redis when none answers at a local redis_url."""
+    dir: str = "runs/default"
+    """Run folder: checkpoints, weights, metrics, plots."""
+    seed: int = Field(0, ge=0)
+    """Seed for shuffling, sampling and initialisation."""
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """Log level of every service."""
+
+
+class ModelSection(Section):
+    path: str = ""
+    """Directory of the initial policy (transformers format: config, tokenizer, weights)."""
+    name: str = "policy"
+    """Model name the policy is served under; agents ask for it (or any name not frozen)."""
+
+
+class SchedulerSection(Section):
+    dataset: str = ""
+    """Training data: a .jsonl or .parquet file of rows (verl-style rows supported)."""
+    val_dataset: str = ""
+    """Validation data; empty means carve `val_fraction` out of `dataset`."""
+    val_fraction: float = Field(0.0, ge=0.0, lt=1.0)
+    """Share of `dataset` held out for validation when `val_dataset` is empty."""
+    epochs: int = Field(1, ge=1)
+    """Passes over the training data."""
+    shuffle: bool = True
+    """Shuffle each epoch with the run seed."""
+    group_size: int = Field(4, ge=1, le=1024)
+    """n: attempts per sample (the GRPO group)."""
+    max_inflight_groups: int = Field(8, ge=1)
+    """Backpressure: at most this many training groups dispatched and not yet complete."""
+    max_staleness: int = Field(1, ge=0)
+    """No task is dispatched more than this many versions behind the trainer."""
+    max_attempts: int = Field(3, ge=1)
+    """Tries per group member before it is dead-lettered."""
+    task_timeout_s: float = Field(120.0, gt=0)
+    """Deadline of one attempt, from dispatch."""
+    group_deadline_s: float = Field(600.0, gt=0)
+    """A group is complete when all members finished or this passed since dispatch."""
+    val_every: int = Field(0, ge=0)
+    """Dispatch the validation set every K weight versions (0: never)."""
+    val_samples: int = Field(0, ge=0)
+    """Validation samples per round (0: all)."""
+    max_samples: int = Field(0, ge=0)
+    """Stop after this many training samples (0: the whole dataset times epochs)."""
+
+
+class RunnerSection(Section):
+    agent: str = ""
+    """Python agent as module:function (async or sync)."""
+    agent_cmd: str = ""
+    """External agent command; gets the task JSON on stdin, prints the reward."""
+    reward_fn: str = ""
+    """Optional module:function(task, final_answer) -> float, used when the agent returns None."""
+    concurrency: int = Field(4, ge=1, le=1024)
+    """Slots per runner process (attempts run at once)."""
+    inference_urls: list[str] = ["http://127.0.0.1:8000"]
+    """Inference nodes of the policy; the gateway balances across them."""
+    frozen_models: dict[str, str] = {}
+    """Model name -> base URL of models recorded but never trained (judges, opponents)."""
+    train_agents: list[str] = []
+    """Named agents whose calls train (empty: all agents)."""
+    lease_s: float = Field(30.0, gt=0)
+    """Lease on a task; renewed while the agent runs, reclaimed by others once it lapses."""
+    grace_s: float = Field(30.0, ge=0)
+    """On SIGTERM: time for in-flight attempts to finish before they are handed back."""
+    gateway_host: str = "127.0.0.1"
+    """Where the runner's local LLM gateway listens (loopback: agents run beside it)."""
+    gateway_port: int = Field(0, ge=0, le=65535)
+    """Gateway port (0: any free port)."""
+    upstream_retries: int = Field(3, ge=0)
+    """Retries of a failed inference call before the agent gets an error."""
+    api_key: str = ""
+    """API key the inference nodes require (empty: none)."""
+    metrics_port: int = Field(0, ge=0, le=65535)
+    """Port of the runner's /health and /metrics (0: any free port)."""
+
+
+class TrainerSection(Section):
+    backend: Literal["torch", "verl"] = "torch"
+    """Training backend."""
+    device: str = "auto"
+    """torch device (auto: cuda if available, else cpu)."""
+    lr: float = Field(1e-5, gt=0)
+    """Learning rate."""
+    groups_per_step: int = Field(4, ge=1)
+    """Complete groups that make one optimizer step."""
+    advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
+    """Advantage estimator."""
+    clip_low: float = Field(0.2, ge=0)
+    """PPO clip below 1 (ratio >= 1 - clip_low)."""
+    clip_high: float = Field(0.28, ge=0)
+    """PPO clip above 1 (ratio <= 1 + clip_high)."""
+    tis_cap: float = Field(2.0, gt=0)
+    """Truncated importance sampling cap on the trainer/behaviour ratio."""
+    loss_agg: Literal["token", "trajectory"] = "token"
+    """Normalise the loss per token of the batch or per trajectory."""
+    kl_coef: float = Field(0.0, ge=0)
+    """KL penalty to the frozen reference (0: no reference model)."""
+    max_staleness: int = Field(1, ge=0)
+    """Drop attempts older than this many versions when trained."""
+    overlong: Literal["mask", "drop", "keep"] = "mask"
+    """Truncated responses: mask them out of the loss, drop the trajectory, or keep."""
+    max_tokens_per_microbatch: int = Field(8192, ge=1)
+    """Token budget of one micro-batch."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Gradient norm clip."""
+    publish_every: int = Field(1, ge=1)
+    """Publish weights every k steps."""
+    max_steps: int = Field(0, ge=0)
+    """Stop after this many steps (0: until the scheduler finishes)."""
+    group_wait_s: float = Field(600.0, gt=0)
+    """Deadline for a group's missing members after its first arrived."""
+    keep_versions: int = Field(2, ge=1)
+    """Weight versions kept on disk beyond those some node still serves."""
+
+
+class InferenceSection(Section):
+    backend: Literal["torch", "vllm"] = "torch"
+    """Inference backend."""
+    host: str = "127.0.0.1"
+    """Listen address."""
+    port: int = Field(8000, ge=0, le=65535)
+    """Listen port."""
+    node: str = ""
+    """Node id in weights:applied (empty: host:port)."""
+    device: str = "auto"
+    """torch device (auto: cuda if available, else cpu)."""
+    max_batch: int = Field(32, ge=1)
+    """Most sequences decoded together."""
+    max_model_len: int = Field(2048, ge=16)
+    """Context length: prompt plus completion."""
+    api_key: str = ""
+    """Required bearer key (empty: none)."""
+    follow_weights: bool = True
+    """Follow the `weights` stream and hot-reload new versions."""
+
+
+class RunConfig(Section):
+    """The whole run file."""
+
+    run: RunSection = RunSection()
+    model: ModelSection = ModelSection()
+    scheduler: SchedulerSection = SchedulerSection()
+    runner: RunnerSection = RunnerSection()
+    trainer: TrainerSection = TrainerSection()
+    inference: InferenceSection = InferenceSection()
+
+    def to_json(self) -> str:
+        return self.model_dump_json()
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        else:
+            data = tomllib.loads(text)
+    except Exception as exc:  # the parsers' own errors carry line numbers
+        raise ConfigError(f"config file {path} is not valid {path.suffix[1:] or 'TOML'}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: top level must be a table of sections")
+    return data
+
+
+def _env_overrides(env: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+    overrides: dict[str, dict[str, Any]] = {}
+    for name, raw in env.items():
+        if not name.startswith(ENV_PREFIX) or "__" not in name:
+            continue
+        section, _, field = name[len(ENV_PREFIX) :].lower().partition("__")
+        try:
+            value: Any = json.loads(raw)  # numbers, booleans, lists, tables
+            if isinstance(value, (int, float, bool)) and raw.strip() != raw:
+                value = raw
+        except json.JSONDecodeError:
+            value = raw
+        overrides.setdefault(section, {})[field] = value
+    return overrides
+
+
+def _format_errors(exc: ValidationError, source: str) -> str:
+    lines = []
+    for error in exc.errors():
+        where = ".".join(str(part) for part in error["loc"])
+        got = error.get("input")
+        shown = "" if isinstance(got, dict) else f" (got {got!r})"
+        lines.append(f"{where}: {error['msg']}{shown}")
+    return f"invalid config {source}:\n  " + "\n  ".join(lines)
+
+
+def merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for section, fields in extra.items():
+        if isinstance(fields, Mapping) and isinstance(merged.get(section), dict):
+            merged[section] = {**merged[section], **fields}
+        else:
+            merged[section] = fields
+    return merged
+
+
+def load_config(
+    path: str | Path | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> RunConfig:
+    """File (optional) <- environment overrides <- explicit overrides, validated."""
+    data = _read_file(Path(path)) if path else {}
+    data = merge(data, _env_overrides(os.environ if env is None else env))
+    if overrides:
+        data = merge(data, overrides)
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc, str(path) if path else "(defaults + environment)")) from None

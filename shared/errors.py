@@ -1,0 +1,33 @@
+"""One flat hierarchy of squall's errors.
+
+Catch only where you retry, requeue or dead-letter; everything else propagates.
+Every message says what was wrong and, where it helps, what to do about it.
+"""
+
+
+class SquallError(Exception):
+    """Base of every error squall raises on purpose."""
+
+
+class ConfigError(SquallError):
+    """A config file or environment override is invalid; the message names the field."""
+
+
+class SchemaError(SquallError):
+    """A wire message could not be decoded or failed validation; the entry is dead-lettered."""
+
+
+class RedisUnavailable(SquallError):
+    """No Redis answers at the configured URL and none could be started."""
+
+
+class DeadlineExceeded(SquallError):
+    """A bounded wait ran past its deadline."""
+
+
+class WeightsError(SquallError):
+    """A published weight file is missing, corrupt or does not match its checksum."""
+
+
+class AgentError(SquallError):
+    """The user's agent failed: raised, returned no usable reward, or broke the contract."""

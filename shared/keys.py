@@ -1,0 +1,146 @@
+"""Every Redis key, stream and consumer-group name squall uses.
+
+All keys of one run live under ``squall:{run}:`` so several runs share one Redis.
+This module is the only place a name is spelled; README's streams table mirrors it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+PREFIX = "squall"
+RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+# Consumer groups. `tasks` is read by runners; `trajectories` by three independent groups.
+GROUP_RUNNERS = "runners"
+GROUP_TRAINER = "trainer"
+GROUP_SCHEDULER = "scheduler"
+GROUP_MONITOR = "monitor"
+
+# Streams capped with MAXLEN ~ because losing their oldest entries is harmless.
+METRICS_MAXLEN = 100_000
+EVENTS_MAXLEN = 100_000
+DEADLETTER_MAXLEN = 1_000_000
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key names of one run. `Keys("demo").tasks == "squall:demo:tasks"`."""
+
+    run: str
+
+    def __post_init__(self) -> None:
+        if not RUN_NAME_PATTERN.match(self.run):
+            from .errors import ConfigError
+
+            raise ConfigError(
+                f"run name {self.run!r} is invalid: use 1-64 letters, digits, '_', '.', '-'"
+            )
+
+    def key_for(self, name: str) -> str:
+        return f"{PREFIX}:{self.run}:{name}"
+
+    # --- streams ---------------------------------------------------------
+    @property
+    def tasks(self) -> str:
+        """One entry per task attempt (Task). Group `runners`."""
+        return self.key_for("tasks")
+
+    @property
+    def trajectories(self) -> str:
+        """One entry per finished attempt (Trajectory). Groups `trainer`, `scheduler`, `monitor`."""
+        return self.key_for("trajectories")
+
+    @property
+    def weights(self) -> str:
+        """One entry per published policy version (WeightVersion); read without a group."""
+        return self.key_for("weights")
+
+    @property
+    def weights_applied(self) -> str:
+        """Each inference node's acknowledgement of a version it serves (WeightApplied)."""
+        return self.key_for("weights:applied")
+
+    @property
+    def deadletter(self) -> str:
+        """Entries that could not be processed: source, id, reason, raw bytes."""
+        return self.key_for("deadletter")
+
+    @property
+    def metrics(self) -> str:
+        """Trainer step metrics (Metrics), capped."""
+        return self.key_for("metrics")
+
+    @property
+    def events(self) -> str:
+        """Lifecycle events (Event), capped."""
+        return self.key_for("events")
+
+    @property
+    def control(self) -> str:
+        """Operator commands (Control): pause, resume, drain, limits."""
+        return self.key_for("control")
+
+    # --- hashes and sets -----------------------------------------------------
+    @property
+    def config(self) -> str:
+        """Hash: the run's resolved config (JSON under field `json`) and start time."""
+        return self.key_for("config")
+
+    @property
+    def ledger(self) -> str:
+        """Hash: attempt counts per state (see shared.ledger)."""
+        return self.key_for("ledger")
+
+    @property
+    def attempts(self) -> str:
+        """Hash: `task_id:attempt` -> current state of that attempt (the ledger's detail)."""
+        return self.key_for("attempts")
+
+    @property
+    def scheduler_state(self) -> str:
+        """Hash: the scheduler's cursor (epoch, position, next group) so restarts resume."""
+        return self.key_for("scheduler")
+
+    @property
+    def groups(self) -> str:
+        """Hash: group_id -> JSON of the group's open members (owned by the scheduler)."""
+        return self.key_for("groups")
+
+    @property
+    def heartbeats(self) -> str:
+        """Hash: `service:id` -> JSON {time, version, ...}; stale entries mean a dead process."""
+        return self.key_for("heartbeats")
+
+    @property
+    def versions(self) -> str:
+        """Hash: `trainer` and `inference:<node>` -> weight version they hold."""
+        return self.key_for("versions")
+
+    @property
+    def rewards(self) -> str:
+        """Stream of (version, mode, mean reward) points for the reward curve, capped."""
+        return self.key_for("rewards")
+
+    def stream_names(self) -> dict[str, str]:
+        """Short name -> full key of every stream, for `squall peek` and status."""
+        return {
+            "tasks": self.tasks,
+            "trajectories": self.trajectories,
+            "weights": self.weights,
+            "weights:applied": self.weights_applied,
+            "deadletter": self.deadletter,
+            "metrics": self.metrics,
+            "events": self.events,
+            "control": self.control,
+            "rewards": self.rewards,
+        }
+
+    def groups_of(self, stream: str) -> tuple[str, ...]:
+        """Consumer groups that must exist on `stream` before anyone trims it."""
+        if stream == self.tasks:
+            return (GROUP_RUNNERS,)
+        if stream == self.trajectories:
+            return (GROUP_TRAINER, GROUP_SCHEDULER, GROUP_MONITOR)
+        return ()

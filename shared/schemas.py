@@ -1,0 +1,263 @@
+"""Every wire message, declared once, typed and versioned.
+
+Wire format: msgpack (via msgspec, which validates types while decoding). A stream entry
+holds one field, ``m``, whose value is one encoded message. Each message carries a ``kind``
+tag (so any entry decodes without knowing its stream) and ``v``, the schema version.
+
+Token ids and logprobs are packed little-endian binary (int32 / float32) rather than msgpack
+lists: a 32k-token trajectory then encodes and decodes in microseconds instead of
+milliseconds (numbers in docs/bus.md). Arrays line up index for index:
+``response_ids[i]`` was sampled with log-probability ``response_logprobs[i]``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Literal, Union
+
+import msgspec
+import numpy as np
+
+from .errors import SchemaError
+
+SCHEMA_VERSION = 1
+ENTRY_FIELD = b"m"
+
+TOKEN_DTYPE = np.dtype("<i4")
+LOGPROB_DTYPE = np.dtype("<f4")
+
+Mode = Literal["train", "val"]
+Status = Literal["ok", "failed", "timeout", "cancelled"]
+ControlAction = Literal["pause", "resume", "drain", "limits"]
+
+
+def pack_tokens(ids: Any) -> bytes:
+    """list/array of token ids -> packed int32 bytes."""
+    return np.asarray(ids, dtype=TOKEN_DTYPE).tobytes()
+
+
+def pack_logprobs(logprobs: Any) -> bytes:
+    """list/array of log-probabilities -> packed float32 bytes."""
+    return np.asarray(logprobs, dtype=LOGPROB_DTYPE).tobytes()
+
+
+def unpack_tokens(raw: bytes) -> np.ndarray:
+    """packed int32 bytes -> read-only int32 array (no copy)."""
+    return np.frombuffer(raw, dtype=TOKEN_DTYPE)
+
+
+def unpack_logprobs(raw: bytes) -> np.ndarray:
+    """packed float32 bytes -> read-only float32 array (no copy)."""
+    return np.frombuffer(raw, dtype=LOGPROB_DTYPE)
+
+
+class Message(msgspec.Struct, kw_only=True, tag_field="kind"):
+    """Base of every wire message."""
+
+    v: int = SCHEMA_VERSION  # schema version; a decoder rejects any other
+    run: str  # run name; every key of the run lives under squall:{run}:
+
+    def validate(self) -> None:
+        """Checks beyond types; raises SchemaError. Subclasses extend."""
+        if self.v != SCHEMA_VERSION:
+            raise SchemaError(f"schema version {self.v} is not supported (expected {SCHEMA_VERSION})")
+
+
+class Task(Message, kw_only=True, tag="task"):
+    """One attempt of one member of one GRPO group, for a runner to execute."""
+
+    task_id: str  # stable id of the group member: f"{group_id}:{index}"; retries keep it
+    group_id: str  # the n members of one sample share it
+    sample_id: str  # the dataset row's id
+    index: int  # position of this member in its group, 0..group_size-1
+    group_size: int  # n, the number of members in the group
+    attempt: int = 0  # 0 for the first try, +1 per retry of this member
+    mode: Mode = "train"  # val attempts are scored, never trained
+    payload: dict[str, Any]  # the dataset row, given to the agent as `task`
+    min_version: int = 0  # the policy version at dispatch; turns must be served at >= this
+    deadline: float  # unix time by which the attempt must finish, or it is a timeout
+    epoch: int = 0  # dataset epoch the sample came from
+    created_at: float = msgspec.field(default_factory=time.time)  # unix time of dispatch
+
+    def validate(self) -> None:
+        super().validate()
+        if not 0 <= self.index < self.group_size:
+            raise SchemaError(f"task {self.task_id}: index {self.index} outside group of {self.group_size}")
+        if self.attempt < 0 or self.min_version < 0:
+            raise SchemaError(f"task {self.task_id}: attempt and min_version must be >= 0")
+        if not math.isfinite(self.deadline):
+            raise SchemaError(f"task {self.task_id}: deadline must be a finite unix time")
+
+    @property
+    def key(self) -> str:
+        """(task_id, attempt) as one string: the exactly-once identity of an attempt."""
+        return f"{self.task_id}#{self.attempt}"
+
+
+class Turn(msgspec.Struct, kw_only=True):
+    """One LLM call made during an attempt, exactly as the server sampled it."""
+
+    agent: str = "main"  # which named agent made the call (multi-agent tasks)
+    model: str  # model name the agent asked for
+    trained: bool = True  # False for frozen models and agents outside `train_agents`
+    prompt_ids: bytes  # packed int32: the prompt as the server tokenized it
+    response_ids: bytes  # packed int32: sampled tokens, never re-tokenized
+    response_logprobs: bytes  # packed float32: logprob of each response token, same length
+    version: int  # weight version that served this call (-1 for frozen/external models)
+    finish_reason: str = "stop"  # stop | length | tool_calls | error
+    node: str = ""  # inference node that served it
+    latency_s: float = 0.0  # wall time of the call as the gateway saw it
+
+    @property
+    def prompt_tokens(self) -> np.ndarray:
+        return unpack_tokens(self.prompt_ids)
+
+    @property
+    def response_tokens(self) -> np.ndarray:
+        return unpack_tokens(self.response_ids)
+
+    @property
+    def logprobs(self) -> np.ndarray:
+        return unpack_logprobs(self.response_logprobs)
+
+    def validate(self, where: str) -> None:
+        for name in ("prompt_ids", "response_ids"):
+            raw = getattr(self, name)
+            if len(raw) % TOKEN_DTYPE.itemsize:
+                raise SchemaError(f"{where}: {name} is not a whole number of int32 values")
+            ids = unpack_tokens(raw)
+            if ids.size and int(ids.min()) < 0:
+                raise SchemaError(f"{where}: {name} holds a negative token id ({int(ids.min())})")
+        if len(self.response_logprobs) % LOGPROB_DTYPE.itemsize:
+            raise SchemaError(f"{where}: response_logprobs is not a whole number of float32 values")
+        n_ids, logprobs = len(self.response_ids) // 4, self.logprobs
+        if logprobs.size != n_ids:
+            raise SchemaError(f"{where}: {n_ids} response ids but {logprobs.size} logprobs")
+        if logprobs.size and not bool(np.isfinite(logprobs).all()):
+            raise SchemaError(f"{where}: response_logprobs holds NaN or infinity")
+
+
+class Trajectory(Message, kw_only=True, tag="trajectory"):
+    """The outcome of one finished attempt, whatever it was."""
+
+    task_id: str  # as in the Task
+    group_id: str
+    sample_id: str
+    index: int  # member index in the group
+    group_size: int
+    attempt: int
+    mode: Mode = "train"
+    runner_id: str  # the runner process and slot that ran it
+    status: Status  # ok: reward is valid; otherwise reward is None and error says why
+    reward: float | None = None  # finite when status == "ok"
+    turns: list[Turn] = []  # every LLM call, in call order
+    error: str | None = None  # what went wrong, for failed/timeout/cancelled
+    timings: dict[str, float] = {}  # seconds: queue, agent, llm, reward ...
+    min_version: int = 0  # copied from the Task
+    final_answer: str | None = None  # the agent's last assistant message, for reward functions
+    finished_at: float = msgspec.field(default_factory=time.time)
+
+    @property
+    def key(self) -> str:
+        return f"{self.task_id}#{self.attempt}"
+
+    def validate(self) -> None:
+        super().validate()
+        where = f"trajectory {self.key}"
+        if self.reward is not None and not math.isfinite(self.reward):
+            raise SchemaError(f"{where}: reward is {self.reward}, must be a finite number")
+        if self.status == "ok" and self.reward is None:
+            raise SchemaError(f"{where}: status ok but no reward")
+        for i, turn in enumerate(self.turns):
+            turn.validate(f"{where} turn {i}")
+
+
+class WeightVersion(Message, kw_only=True, tag="weights"):
+    """A policy version the trainer published."""
+
+    version: int  # monotonically increasing; 0 is the initial model
+    step: int  # trainer optimizer steps behind this version
+    location: str  # path (or URL) of the safetensors file or directory
+    checksum: str  # sha256 hex of the file at `location`
+    format: str = "safetensors"  # safetensors (full state dict)
+    created_at: float = msgspec.field(default_factory=time.time)
+
+
+class WeightApplied(Message, kw_only=True, tag="weights_applied"):
+    """An inference node now serves `version`."""
+
+    node: str  # inference node id
+    version: int
+    load_s: float  # seconds from reading the WeightVersion to serving it
+    applied_at: float = msgspec.field(default_factory=time.time)
+
+
+class Control(Message, kw_only=True, tag="control"):
+    """An operator command to the scheduler (and, through it, the run)."""
+
+    action: ControlAction
+    limits: dict[str, float] = {}  # for action == "limits": field -> new value
+
+
+class Metrics(Message, kw_only=True, tag="metrics"):
+    """One trainer step's metrics."""
+
+    step: int
+    version: int  # weight version produced by this step
+    values: dict[str, float]  # metric name -> value
+    time: float = msgspec.field(default_factory=time.time)
+
+
+class Event(Message, kw_only=True, tag="event"):
+    """A lifecycle event for people and the dashboard."""
+
+    service: str  # scheduler | runner | trainer | inference | ...
+    name: str  # e.g. started, stopped, group_complete, weights_published
+    fields: dict[str, Any] = {}
+    time: float = msgspec.field(default_factory=time.time)
+
+
+AnyMessage = Union[Task, Trajectory, WeightVersion, WeightApplied, Control, Metrics, Event]
+
+_encoder = msgspec.msgpack.Encoder()
+_any_decoder = msgspec.msgpack.Decoder(AnyMessage)
+_decoders: dict[type, msgspec.msgpack.Decoder] = {}
+
+
+def encode(message: Message) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode(raw: bytes, kind: type[Message] | None = None) -> Any:
+    """Decode and validate one message; raises SchemaError naming what was wrong."""
+    if kind is None:
+        decoder = _any_decoder
+    else:
+        decoder = _decoders.get(kind) or _decoders.setdefault(kind, msgspec.msgpack.Decoder(kind))
+    try:
+        message = decoder.decode(raw)
+    except msgspec.ValidationError as exc:
+        raise SchemaError(f"invalid {kind.__name__ if kind else 'message'}: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise SchemaError(f"not a msgpack message: {exc}") from None
+    message.validate()
+    return message
+
+
+def to_jsonable(message: Message) -> dict[str, Any]:
+    """For people: packed arrays become lists so `squall peek` prints readable JSON."""
+    data = msgspec.to_builtins(message, enc_hook=None)
+    data["kind"] = type(message).__struct_config__.tag
+    for turn in data.get("turns", []):
+        turn["prompt_ids"] = unpack_tokens(_raw(turn["prompt_ids"])).tolist()
+        turn["response_ids"] = unpack_tokens(_raw(turn["response_ids"])).tolist()
+        turn["response_logprobs"] = [round(x, 5) for x in unpack_logprobs(_raw(turn["response_logprobs"])).tolist()]
+    return data
+
+
+def _raw(value: Any) -> bytes:
+    # to_builtins renders bytes as base64 text.
+    import base64
+
+    return value if isinstance(value, bytes) else base64.b64decode(value)
