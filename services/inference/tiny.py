@@ -1,0 +1,250 @@
+"""Tiny offline models: a byte-level BPE tokenizer and a small Qwen2 causal LM, built from scratch.
+
+Tests, the demo and CPU development need a real transformers model directory without any
+download from a model hub. `build_tiny_model(out_dir)` writes one (config.json,
+model.safetensors, generation_config.json, tokenizer files with the project's chat template)
+that `AutoModelForCausalLM.from_pretrained(out_dir)` and `AutoTokenizer.from_pretrained(out_dir)`
+load offline, in a few seconds, deterministically for a given seed.
+
+Tokenizer: byte-level BPE trained with `tokenizers` on a small corpus, with Qwen2's
+normalizer/pre-tokenizer (NFC, Qwen2 split regex, byte-level) because AutoTokenizer loads the
+directory as a `Qwen2Tokenizer`, which rebuilds that pipeline. All 256 bytes are in the base
+alphabet, so any text encodes without <unk>, and `decode(encode(text)) == text` exactly for
+NFC text (all ASCII; no whitespace clean-up). Digits are single tokens (Qwen's `\\p{N}` split,
+same effect as `Digits(individual_digits=True)`), which keeps arithmetic copyable. Special tokens (one id each, in this order from id 0): see `SPECIAL_TOKENS`.
+
+Chat template (the agreed Hermes/Qwen format, see notes/COMMON.md), `CHAT_TEMPLATE`:
+- every message is `<|im_start|>{role}\\n{content}<|im_end|>\\n`;
+- tools go into the system message (an empty one is made when there is none) as
+  `<tools>\\n{one JSON schema per line}\\n</tools>` after the system text and a blank line; an
+  OpenAI tool `{"type": "function", "function": {...}}` is listed as its `function` object;
+- an assistant tool call is `<tool_call>\\n{"name": NAME, "arguments": ARGS}\\n</tool_call>`, one
+  per call, separated by a newline, after the content (if any) and a newline. ARGS is
+  `json.dumps(arguments)` (default separators) when arguments is a dict; a string is written
+  verbatim, so a string made by `json.dumps` renders the same as its dict (OpenAI clients send
+  back the string the server produced; `normalize_tool_arguments` canonicalises others);
+- a `tool` message is its own user turn: `<|im_start|>user\\n<tool_response>\\n{content}\\n</tool_response><|im_end|>\\n`;
+- `add_generation_prompt` appends `<|im_start|>assistant\\n`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+# Order fixes the ids: <|endoftext|> = 0 (pad), <|im_start|> = 1, <|im_end|> = 2 (eos), ...
+SPECIAL_TOKENS: tuple[str, ...] = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+)
+PAD_TOKEN = "<|endoftext|>"
+# Qwen2's split: single digits (`\\p{N}`), words with one leading non-letter, punctuation runs, newlines.
+PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+EOS_TOKEN = "<|im_end|>"
+
+CHAT_TEMPLATE = (
+    "{%- macro render_content(content) -%}"
+    "{%- if content is string -%}{{ content }}"
+    "{%- elif content is iterable and content is not mapping -%}"
+    "{%- for part in content -%}{%- if part.type == 'text' -%}{{ part.text }}{%- endif -%}{%- endfor -%}"
+    "{%- elif content is not none -%}{{ content }}"
+    "{%- endif -%}"
+    "{%- endmacro -%}"
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if messages[0].role == 'system' -%}{{- render_content(messages[0].content) + '\\n\\n' -}}{%- endif -%}"
+    "{{- '<tools>' -}}"
+    "{%- for tool in tools -%}"
+    "{{- '\\n' -}}"
+    "{%- if tool.function is defined -%}{{- tool.function | tojson -}}{%- else -%}{{- tool | tojson -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{{- '\\n</tools><|im_end|>\\n' -}}"
+    "{%- elif messages and messages[0].role == 'system' -%}"
+    "{{- '<|im_start|>system\\n' + render_content(messages[0].content) + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if message.role == 'system' and loop.first -%}"
+    "{%- elif message.role == 'assistant' -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- set text = render_content(message.content) -%}"
+    "{{- text -}}"
+    "{%- if message.tool_calls -%}"
+    "{%- if text -%}{{- '\\n' -}}{%- endif -%}"
+    "{%- for call in message.tool_calls -%}"
+    "{%- if call.function is defined -%}{%- set call = call.function -%}{%- endif -%}"
+    "{%- if not loop.first -%}{{- '\\n' -}}{%- endif -%}"
+    "{{- '<tool_call>\\n{\"name\": ' + (call.name | tojson) + ', \"arguments\": ' -}}"
+    "{%- if call.arguments is string -%}{{- call.arguments -}}{%- else -%}{{- call.arguments | tojson -}}{%- endif -%}"
+    "{{- '}\\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- elif message.role == 'tool' -%}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + render_content(message.content) + '\\n</tool_response><|im_end|>\\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + message.role + '\\n' + render_content(message.content) + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+_NAMES = ("Tom", "Ana", "Lee", "Mia", "Sam", "Kai", "Zoe", "Ben")
+_THINGS = ("apples", "books", "coins", "cards", "stamps", "pens", "eggs", "shells")
+_DEFAULT_CHAT = (
+    "You are a helpful assistant.",
+    "Hello! How can I help you today?",
+    "What is the capital of France? The capital of France is Paris.",
+    "Please answer with a single number.",
+    "The answer is 42.",
+    "Use the calculator tool when you need to compute something.",
+    "Thanks, that was helpful. You're welcome!",
+    'The quick brown fox jumps over the lazy dog. {"key": "value", "list": [1, 2, 3]}',
+    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))",
+    "Symbols: ~ ` ! @ # $ % ^ & * ( ) - _ = + [ ] { } | \\ ; : ' \" , . < > / ?",
+)
+
+
+def default_corpus(seed: int = 0, n_problems: int = 300) -> list[str]:
+    """A small built-in corpus: chat snippets, tool-call JSON and arithmetic, all ASCII."""
+    rng = random.Random(seed)
+    texts = list(_DEFAULT_CHAT)
+    for _ in range(n_problems):
+        a, b = rng.randint(1, 999), rng.randint(1, 999)
+        op = rng.choice("+-*")
+        who, what = rng.choice(_NAMES), rng.choice(_THINGS)
+        value = {"+": a + b, "-": a - b, "*": a * b}[op]
+        texts.append(f"{who} has {a} {what} and gets {b} more. How many {what} does {who} have?")
+        texts.append(json.dumps({"name": "calculator", "arguments": {"expression": f"{a} {op} {b}"}}))
+        texts.append(f"{a} {op} {b} = {value}. The answer is {value}.")
+    return texts
+
+
+def build_tokenizer(corpus: Iterable[str], vocab_size: int = 512) -> Any:
+    """Train a byte-level BPE tokenizer on `corpus`; returns a `PreTrainedTokenizerFast`.
+
+    `vocab_size` is an upper bound (a small corpus yields fewer merges); it counts the 256 byte
+    tokens and the special tokens, so it must be at least 263.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    floor = 256 + len(SPECIAL_TOKENS)
+    if vocab_size < floor:
+        raise ValueError(f"vocab_size={vocab_size} is too small: need at least {floor} (bytes + specials)")
+    tok = Tokenizer(models.BPE())
+    # Exactly the pipeline transformers' Qwen2Tokenizer rebuilds on load (AutoTokenizer picks that
+    # class from config.json's model_type), so the trained merges and the loaded tokenizer agree.
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_strings(corpus), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        additional_special_tokens=[t for t in SPECIAL_TOKENS if t not in (EOS_TOKEN, PAD_TOKEN)],
+        clean_up_tokenization_spaces=False,
+        model_max_length=1 << 30,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _strings(corpus: Iterable[str]) -> Iterator[str]:
+    for text in corpus:
+        if not isinstance(text, str):
+            raise TypeError(f"corpus items must be str, got {type(text).__name__}")
+        yield text
+
+
+def build_tiny_model(
+    out_dir: str | Path,
+    *,
+    corpus: Iterable[str] | None = None,
+    vocab_size: int = 512,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    max_position_embeddings: int = 1024,
+    seed: int = 0,
+) -> Path:
+    """Write a randomly initialised tiny Qwen2 model + tokenizer to `out_dir`; returns the path.
+
+    Deterministic for a given (corpus, sizes, seed): same files, same weights.
+    """
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(default_corpus(seed) if corpus is None else corpus, vocab_size)
+    eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 4,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        use_sliding_window=False,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).to(torch.float32)
+    model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def normalize_tool_arguments(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Return messages whose tool-call `arguments` strings are re-dumped with `json.dumps` defaults.
+
+    The template writes a string verbatim; this makes a compact or differently spaced JSON
+    string render exactly like the dict it encodes. Unparseable strings are left as they are.
+    """
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if not calls:
+            out.append(message)
+            continue
+        new_calls = []
+        for call in calls:
+            call = dict(call)
+            holder = dict(call["function"]) if "function" in call else call
+            args = holder.get("arguments")
+            if isinstance(args, str):
+                try:
+                    holder["arguments"] = json.dumps(json.loads(args))
+                except ValueError:
+                    pass
+            if "function" in call:
+                call["function"] = holder
+            new_calls.append(call)
+        out.append({**message, "tool_calls": new_calls})
+    return out
