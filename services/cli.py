@@ -14,8 +14,14 @@ import sys
 
 # name -> (module, one-line help). Listed only when the module is installed.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "up": ("squall.tools.up", "start a whole run on this machine (redis, inference, trainer, scheduler, runners)"),
-    "scheduler": ("squall.scheduler.cli", "run the scheduler: dataset -> GRPO groups -> tasks, retries, ledger"),
+    "up": (
+        "squall.tools.up",
+        "start a whole run on this machine (redis, inference, trainer, scheduler, runners)",
+    ),
+    "scheduler": (
+        "squall.scheduler.cli",
+        "run the scheduler: dataset -> GRPO groups -> tasks, retries, ledger",
+    ),
     "runner": ("squall.runner.cli", "run a runner: execute task attempts with your agent"),
     "trainer": ("squall.trainer.cli", "run the trainer: trajectories -> GRPO steps -> weights"),
     "inference": ("squall.inference.cli", "serve a model over an OpenAI-compatible API with hot reload"),

@@ -89,7 +89,7 @@ def dead_letter(
     group: str = "",
 ) -> str:
     """Record an entry that could not be processed: where from, why, and its original bytes."""
-    fields: dict[str, Any] = {"source": source, "id": entry_id, "group": group, "reason": reason[:2000]}
+    fields: dict[Any, Any] = {"source": source, "id": entry_id, "group": group, "reason": reason[:2000]}
     fields["raw"] = raw if raw is not None else b""
     return _text(r.xadd(deadletter_stream, fields, maxlen=DEADLETTER_MAXLEN, approximate=True))
 
@@ -125,7 +125,8 @@ class GroupConsumer:
         """
         start = "0" if own_pending else ">"
         block = None if own_pending else block_ms
-        reply = self.r.xreadgroup(self.group, self.consumer, {self.stream: start}, count=count, block=block)
+        # RESP2 reply: [[stream, [(id, fields), ...]]] (redis-py types it for RESP3 too).
+        reply: Any = self.r.xreadgroup(self.group, self.consumer, {self.stream: start}, count=count, block=block)
         entries = reply[0][1] if reply else []
         return self._decode_all(entries, deliveries=None)
 

@@ -34,9 +34,7 @@ class Keys:
         if not RUN_NAME_PATTERN.match(self.run):
             from .errors import ConfigError
 
-            raise ConfigError(
-                f"run name {self.run!r} is invalid: use 1-64 letters, digits, '_', '.', '-'"
-            )
+            raise ConfigError(f"run name {self.run!r} is invalid: use 1-64 letters, digits, '_', '.', '-'")
 
     def key_for(self, name: str) -> str:
         return f"{PREFIX}:{self.run}:{name}"

@@ -98,7 +98,9 @@ class LocalRedis:
         end = time.monotonic() + deadline_s
         while time.monotonic() < end:
             if self.process is not None and self.process.poll() is not None:
-                raise RedisUnavailable(f"local redis on port {self.port} exited with {self.process.returncode}")
+                raise RedisUnavailable(
+                    f"local redis on port {self.port} exited with {self.process.returncode}"
+                )
             try:
                 if client.ping():
                     return

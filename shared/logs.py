@@ -14,9 +14,15 @@ def _orjson_dumps(obj: Any, default: Any = None) -> str:
     return orjson.dumps(obj, default=default or str).decode()
 
 
-def configure_logging(service: str, run: str, *, level: str = "INFO", json: bool = True, **identity: Any) -> structlog.stdlib.BoundLogger:
+def configure_logging(
+    service: str, run: str, *, level: str = "INFO", json: bool = True, **identity: Any
+) -> structlog.stdlib.BoundLogger:
     """Configure structlog for this process and return a logger bound to service and run."""
-    renderer: Any = structlog.processors.JSONRenderer(serializer=_orjson_dumps) if json else structlog.dev.ConsoleRenderer(colors=False)
+    renderer: Any = (
+        structlog.processors.JSONRenderer(serializer=_orjson_dumps)
+        if json
+        else structlog.dev.ConsoleRenderer(colors=False)
+    )
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,

@@ -28,7 +28,9 @@ def redact(url: str) -> str:
 
 
 def client_for(url: str) -> redis.Redis:
-    return redis.Redis.from_url(url, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=2.0, health_check_interval=30)
+    return redis.Redis.from_url(
+        url, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=2.0, health_check_interval=30
+    )
 
 
 def ping_until(client: redis.Redis, deadline_s: float) -> bool:
@@ -42,7 +44,9 @@ def ping_until(client: redis.Redis, deadline_s: float) -> bool:
             time.sleep(0.1)
 
 
-def connect(url: str, *, autostart: bool = False, deadline_s: float = CONNECT_DEADLINE_S, data_dir: str | None = None) -> redis.Redis:
+def connect(
+    url: str, *, autostart: bool = False, deadline_s: float = CONNECT_DEADLINE_S, data_dir: str | None = None
+) -> redis.Redis:
     """A client for `url` that answered PING.
 
     With `autostart`, a local URL with nobody listening gets a server of our own on that port

@@ -252,7 +252,9 @@ def to_jsonable(message: Message) -> dict[str, Any]:
     for turn in data.get("turns", []):
         turn["prompt_ids"] = unpack_tokens(_raw(turn["prompt_ids"])).tolist()
         turn["response_ids"] = unpack_tokens(_raw(turn["response_ids"])).tolist()
-        turn["response_logprobs"] = [round(x, 5) for x in unpack_logprobs(_raw(turn["response_logprobs"])).tolist()]
+        turn["response_logprobs"] = [
+            round(x, 5) for x in unpack_logprobs(_raw(turn["response_logprobs"])).tolist()
+        ]
     return data
 
 

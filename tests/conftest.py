@@ -11,7 +11,6 @@ import uuid
 
 import pytest
 import redis
-
 from squall.shared.localredis import LocalRedis
 
 

@@ -1,0 +1,44 @@
+# squall — the README names these targets.
+#   make demo   set up and run the main job (the calculator-agent demo) on embedded defaults
+#   make test   set up and run the test suite
+#   make bench  run the benchmarks;  make lint  ruff + mypy
+PYTHON ?= python3
+VENV ?= .venv
+# The CPU build of torch; override on GPU machines, e.g. TORCH="torch==2.13.0".
+TORCH ?= torch==2.13.0
+EXTRAS ?= ml,serve,data,dev
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.squall-installed
+
+.PHONY: setup test test-fast demo bench lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	touch $(STAMP)
+
+# pytest exits 5 when it collected no test: that must fail loudly, never pass.
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest ran no tests — failing" >&2; fi; exit $$rc
+
+test-fast: setup
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+demo: setup
+	$(PY) -m squall.cli up --config examples/calc/demo.toml $(DEMO_ARGS)
+
+bench: setup
+	$(PY) benchmarks/bus.py
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy shared/
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache .mypy_cache
