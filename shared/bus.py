@@ -26,14 +26,15 @@ from .keys import DEADLETTER_MAXLEN
 # Renew only entries this consumer still owns: a plain XCLAIM would steal back an entry
 # that another consumer already reclaimed after our lease lapsed.
 _RENEW_SCRIPT = """
+-- KEYS[1] stream; ARGV[1] group, ARGV[2] consumer, ARGV[3..] entry ids. The consumer is an
+-- argument, not a key: ACL key patterns (and Redis Cluster) check every KEYS entry.
 local owned = {}
-for i, id in ipairs(ARGV) do
-  if i > 1 then
-    local p = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1)
-    if p[1] and p[1][2] == KEYS[2] then
-      redis.call('XCLAIM', KEYS[1], ARGV[1], KEYS[2], 0, id, 'JUSTID')
-      table.insert(owned, id)
-    end
+for i = 3, #ARGV do
+  local id = ARGV[i]
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1)
+  if p[1] and p[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, id, 'JUSTID')
+    table.insert(owned, id)
   end
 end
 return owned
@@ -140,7 +141,7 @@ class GroupConsumer:
         """
         if not entry_ids:
             return []
-        owned = self._renew(keys=[self.stream, self.consumer], args=[self.group, *entry_ids])
+        owned = self._renew(keys=[self.stream], args=[self.group, self.consumer, *entry_ids])
         return [_text(entry_id) for entry_id in owned]
 
     def reclaim(self, min_idle_ms: int, count: int = 100) -> list[Delivery]:
