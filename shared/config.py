@@ -77,6 +77,10 @@ class SchedulerSection(Section):
     """Validation samples per round (0: all)."""
     max_samples: int = Field(0, ge=0)
     """Stop after this many training samples (0: the whole dataset times epochs)."""
+    val_group_size: int = Field(1, ge=1, le=1024)
+    """Attempts per validation sample (their mean is the sample's score)."""
+    poll_s: float = Field(0.5, gt=0, le=30)
+    """Longest blocking wait of the scheduler loop (trajectories, then admission checks)."""
 
 
 class RunnerSection(Section):
@@ -108,6 +112,13 @@ class RunnerSection(Section):
     """API key the inference nodes require (empty: none)."""
     metrics_port: int = Field(0, ge=0, le=65535)
     """Port of the runner's /health and /metrics (0: any free port)."""
+    max_deliveries: int = Field(3, ge=1)
+    """Deliveries of one attempt (first read + reclaims after a lapsed lease) before the runner
+    gives up on it with a failed trajectory (the scheduler then retries or dead-letters)."""
+    heartbeat_s: float = Field(2.0, gt=0)
+    """Interval of the runner's heartbeat in Keys.heartbeats."""
+    upstream_timeout_s: float = Field(300.0, gt=0)
+    """Deadline of one forwarded inference call (the attempt's own deadline still applies)."""
 
 
 class TrainerSection(Section):
@@ -147,6 +158,10 @@ class TrainerSection(Section):
     """Deadline for a group's missing members after its first arrived."""
     keep_versions: int = Field(2, ge=1)
     """Weight versions kept on disk beyond those some node still serves."""
+    max_seq_len: int = Field(8192, ge=16)
+    """Trajectories whose merged sequence is longer are filtered as overlong (unless overlong=keep)."""
+    consumer: str = Field("trainer", min_length=1)
+    """Stable consumer name on `trajectories`: a restart re-reads its own unacked entries."""
 
 
 class InferenceSection(Section):
@@ -168,6 +183,14 @@ class InferenceSection(Section):
     """Required bearer key (empty: none)."""
     follow_weights: bool = True
     """Follow the `weights` stream and hot-reload new versions."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights dtype (auto: bfloat16 on CUDA, float32 on CPU)."""
+    torch_threads: int = Field(1, ge=0)
+    """CPU threads torch uses in the server process (0: torch's default)."""
+    model_name: str = ""
+    """Name the model is served under (empty: model.name)."""
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    """vllm backend: share of GPU memory vLLM may take."""
 
 
 class RunConfig(Section):

@@ -68,18 +68,38 @@ class Ledger:
         if not attempt_keys:
             return 0
         allowed = ",".join(allowed_from)
-        return int(self._transition(keys=[self.keys.attempts, self.keys.ledger], args=[state, allowed, *attempt_keys]))
+        return int(
+            self._transition(
+                keys=[self.keys.attempts, self.keys.ledger], args=[state, allowed, *attempt_keys]
+            )
+        )
+
+    def move_in(
+        self,
+        pipe: redis.client.Pipeline,
+        attempt_keys: Iterable[str],
+        state: str,
+        *,
+        allowed_from: Iterable[str] = (),
+    ) -> None:
+        """Queue the same transition on `pipe` (e.g. a MULTI/EXEC with the XADDs it belongs to)."""
+        attempt_keys = list(attempt_keys)
+        if attempt_keys:
+            allowed = ",".join(allowed_from)
+            self._transition(
+                keys=[self.keys.attempts, self.keys.ledger], args=[state, allowed, *attempt_keys], client=pipe
+            )
 
     def filtered(self, attempt_keys: Iterable[str], reason: str) -> int:
         return self.move(attempt_keys, f"filtered:{reason}")
 
     def state_of(self, attempt_key: str) -> str | None:
-        value = self.r.hget(self.keys.attempts, attempt_key)
+        value: bytes | None = self.r.hget(self.keys.attempts, attempt_key)  # type: ignore[assignment]
         return value.decode() if value is not None else None
 
     def counts(self) -> dict[str, int]:
         """State -> attempts in it, plus `dispatched` (every attempt ever dispatched)."""
-        raw = self.r.hgetall(self.keys.ledger)
+        raw: dict[bytes, bytes] = self.r.hgetall(self.keys.ledger)  # type: ignore[assignment]
         return {k.decode(): int(v) for k, v in raw.items() if int(v) or k == b"dispatched"}
 
     def balanced(self) -> bool:

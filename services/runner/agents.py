@@ -1,0 +1,163 @@
+"""The agent contract: a Python callable or an external command, and how a reward is obtained.
+
+- Python: `agent(task: dict, llm) -> float | None`, async or sync (a sync agent runs in a
+  thread; on its deadline the attempt is a timeout, but Python cannot stop the thread, so a
+  sync agent that hangs keeps a worker thread until it returns — prefer async agents).
+- Command: a shell command; the task JSON on stdin, OPENAI_BASE_URL / OPENAI_API_KEY /
+  OPENAI_MODEL in its environment, the reward as the last line of stdout (empty: no reward).
+  On its deadline its whole process group is killed.
+- The reward is the agent's return value, or one `llm.emit_reward(x)` call (not both); if
+  neither, `reward_fn(task, final_answer)` from the config; if still none, or not a finite
+  number, the attempt fails with an error saying so — never a silent zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import json
+import math
+import os
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from squall.shared.errors import AgentError, ConfigError
+
+STDERR_TAIL = 2000  # characters of a failed command's stderr kept in the error
+
+
+@dataclass
+class LLM:
+    """What an agent gets to reach the model: an OpenAI-compatible endpoint for this attempt."""
+
+    base_url: str  # e.g. http://127.0.0.1:PORT/a/TOKEN/v1
+    model: str  # the policy's model name
+    api_key: str  # any non-empty string works; the URL identifies the attempt
+    _root: str = ""  # base_url without /v1, for per-agent URLs
+    _emitted: list[float] = field(default_factory=list)
+
+    def agent_url(self, name: str) -> str:
+        """Base URL for a named agent (multi-agent tasks): its calls are attributed to `name`."""
+        return f"{self._root}/agent/{name}/v1"
+
+    def emit_reward(self, reward: float) -> None:
+        """Report the reward explicitly (instead of returning it)."""
+        self._emitted.append(reward)
+
+
+def load_callable(spec: str, what: str) -> Callable[..., Any]:
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"{what} {spec!r} must look like package.module:function")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"{what} {spec!r}: cannot import {module_name}: {exc}") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ConfigError(f"{what} {spec!r}: {module_name} has no callable {attr!r}")
+    return fn
+
+
+async def call_maybe_async(fn: Callable[..., Any], *args: Any) -> Any:
+    if inspect.iscoroutinefunction(fn):
+        return await fn(*args)
+    result = await asyncio.to_thread(fn, *args)
+    if inspect.isawaitable(result):
+        return await result
+    return result
+
+
+class PythonAgent:
+    def __init__(self, spec: str) -> None:
+        self.spec = spec
+        self.fn = load_callable(spec, "agent")
+
+    async def __call__(self, payload: dict[str, Any], llm: LLM) -> Any:
+        return await call_maybe_async(self.fn, payload, llm)
+
+
+class CommandAgent:
+    def __init__(self, cmd: str) -> None:
+        self.spec = cmd
+        self.cmd = cmd
+
+    async def __call__(self, payload: dict[str, Any], llm: LLM) -> Any:
+        env = {
+            **os.environ,
+            "OPENAI_BASE_URL": llm.base_url,
+            "OPENAI_API_KEY": llm.api_key,
+            "OPENAI_MODEL": llm.model,
+        }
+        process = await asyncio.create_subprocess_shell(
+            self.cmd,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+            start_new_session=True,  # its own process group, so a timeout kills its children too
+        )
+        try:
+            out, err = await process.communicate(json.dumps(payload).encode())
+        except BaseException:
+            with _suppress_lookup():
+                os.killpg(process.pid, signal.SIGKILL)
+            raise
+        if process.returncode != 0:
+            tail = err.decode(errors="replace")[-STDERR_TAIL:]
+            raise AgentError(f"agent command exited with {process.returncode}: {tail.strip()}")
+        lines = [line.strip() for line in out.decode(errors="replace").splitlines() if line.strip()]
+        if not lines:
+            return None
+        try:
+            return float(lines[-1])
+        except ValueError:
+            raise AgentError(
+                f"agent command's last stdout line must be the reward (a number), got {lines[-1][:200]!r}"
+            ) from None
+
+
+class _suppress_lookup:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> bool:
+        return exc[0] is not None and issubclass(exc[0], ProcessLookupError)
+
+
+def make_agent(agent: str, agent_cmd: str) -> PythonAgent | CommandAgent:
+    if bool(agent) == bool(agent_cmd):
+        raise ConfigError(
+            "give exactly one of --agent module:function and --agent-cmd CMD (runner.agent / runner.agent_cmd)"
+        )
+    return PythonAgent(agent) if agent else CommandAgent(agent_cmd)
+
+
+async def resolve_reward(
+    returned: Any,
+    llm: LLM,
+    reward_fn: Callable[..., Any] | None,
+    payload: dict[str, Any],
+    final_answer: str | None,
+) -> float:
+    """The attempt's reward, or AgentError saying why there is none."""
+    if returned is not None and llm._emitted:
+        raise AgentError("agent both returned a reward and called emit_reward: use one of them")
+    if len(llm._emitted) > 1:
+        raise AgentError(f"agent called emit_reward {len(llm._emitted)} times: call it once")
+    value = returned if returned is not None else (llm._emitted[0] if llm._emitted else None)
+    if value is None and reward_fn is not None:
+        value = await call_maybe_async(reward_fn, payload, final_answer)
+        if value is None:
+            raise AgentError("reward_fn returned None: it must return a number")
+    if value is None:
+        raise AgentError("agent returned no reward (None) and no runner.reward_fn is configured")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise AgentError(f"reward must be a number, got {type(value).__name__} {str(value)[:100]!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise AgentError(f"reward is {value}: it must be a finite number")
+    return value

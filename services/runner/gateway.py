@@ -1,0 +1,371 @@
+"""The runner's local LLM gateway: an OpenAI-compatible endpoint per attempt, on loopback.
+
+Each attempt gets its own base URL, ``http://127.0.0.1:PORT/a/{token}/v1`` (and one per named
+agent, ``/a/{token}/agent/{name}/v1``), so every call is attributed to its rollout. A call:
+1. is routed: a model named in `frozen_models` goes to its own endpoint (recorded, never
+   trained); anything else goes to the policy pool — least-loaded node, then sticky for the
+   rest of the attempt (prefix caching);
+2. is forwarded with `return_token_ids: true, logprobs: true` (and `stream: false`: a
+   streaming agent gets the answer re-emitted as SSE chunks);
+3. becomes a Turn (prompt ids, sampled ids, logprobs, weight version, node, latency) exactly
+   as the server sampled it — never re-tokenized;
+4. returns to the agent as an ordinary OpenAI response: squall's extra fields are removed
+   (logprobs too, unless the agent asked for them).
+Upstream failures (connection errors, 5xx, 429) are retried with backoff, on another node
+when there is one; then the agent gets a 502 whose message says what failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from squall.shared.config import RunnerSection
+from squall.shared.logs import get_logger
+from squall.shared.schemas import Turn, pack_logprobs, pack_tokens
+
+RETRY_BACKOFF_S = 0.1  # first retry delay; doubles per retry
+RETRYABLE_STATUS = {429, 500, 502, 503, 504}
+
+
+@dataclass
+class Attempt:
+    """What the gateway knows about one running attempt."""
+
+    token: str  # secret path segment of its base URL
+    key: str  # task_id#attempt, for logs
+    turns: list[Turn] = field(default_factory=list)  # every recorded call, in call order
+    node: str | None = None  # the policy node this attempt sticks to
+    final_answer: str | None = None  # text of the last assistant message returned
+    error: str | None = None  # a contract break seen by the gateway (fails the attempt)
+    llm_s: float = 0.0  # seconds spent waiting for inference
+
+
+class UpstreamError(Exception):
+    """Inference could not answer after every retry."""
+
+
+class Pool:
+    """Policy inference nodes: least in-flight calls first, ties broken by order."""
+
+    def __init__(self, urls: list[str]) -> None:
+        self.urls = [u.rstrip("/") for u in urls]
+        self.inflight = dict.fromkeys(self.urls, 0)
+
+    def pick(self, exclude: set[str] = frozenset()) -> str:  # type: ignore[assignment]
+        candidates = [u for u in self.urls if u not in exclude] or self.urls
+        return min(candidates, key=lambda u: self.inflight[u])
+
+
+def _v1(base: str) -> str:
+    base = base.rstrip("/")
+    return base if base.endswith("/v1") else f"{base}/v1"
+
+
+class Gateway:
+    def __init__(self, section: RunnerSection, policy_model: str) -> None:
+        self.section, self.policy_model = section, policy_model
+        self.pool = Pool(section.inference_urls)
+        self.frozen = {name: _v1(url) for name, url in section.frozen_models.items()}
+        self.train_agents = set(section.train_agents)
+        self.attempts: dict[str, Attempt] = {}
+        self.log = get_logger(component="gateway")
+        headers = {"authorization": f"Bearer {section.api_key}"} if section.api_key else {}
+        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+        self.client = httpx.AsyncClient(
+            headers=headers, limits=limits, timeout=httpx.Timeout(section.upstream_timeout_s, connect=5.0)
+        )
+        self.port = 0
+        self.calls = 0
+        self.app = self._build_app()
+        self._server: Any = None
+        self._serve_task: asyncio.Task | None = None
+
+    # --- attempts ------------------------------------------------------------------------
+    def open(self, key: str) -> Attempt:
+        attempt = Attempt(token=secrets.token_hex(12), key=key)
+        self.attempts[attempt.token] = attempt
+        return attempt
+
+    def close(self, token: str) -> Attempt | None:
+        return self.attempts.pop(token, None)
+
+    def base_url(self, token: str, agent: str | None = None) -> str:
+        host = self.section.gateway_host
+        suffix = f"/agent/{agent}" if agent else ""
+        return f"http://{host}:{self.port}/a/{token}{suffix}/v1"
+
+    # --- server ----------------------------------------------------------------------------
+    async def start(self) -> int:
+        """Serve on the running event loop; returns the port."""
+        import uvicorn
+
+        class _QuietServer(uvicorn.Server):
+            # The runner owns SIGTERM; uvicorn must not install its own handlers.
+            @contextlib.contextmanager
+            def capture_signals(self):  # type: ignore[override]
+                yield
+
+            def install_signal_handlers(self) -> None:
+                pass
+
+        config = uvicorn.Config(
+            self.app,
+            host=self.section.gateway_host,
+            port=self.section.gateway_port,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+        )
+        self._server = _QuietServer(config)
+        self._serve_task = asyncio.create_task(self._server.serve())
+        for _ in range(500):
+            if self._server.started:
+                break
+            if self._serve_task.done():
+                self._serve_task.result()
+            await asyncio.sleep(0.01)
+        self.port = self._server.servers[0].sockets[0].getsockname()[1]
+        return self.port
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._serve_task, 5)  # type: ignore[arg-type]
+        await self.client.aclose()
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+
+        async def chat(request: Request, token: str, agent: str = "main") -> Response:
+            return await self._forward(request, token, agent, "chat/completions")
+
+        async def completions(request: Request, token: str, agent: str = "main") -> Response:
+            return await self._forward(request, token, agent, "completions")
+
+        async def models(token: str, agent: str = "main") -> Response:
+            if token not in self.attempts:
+                return _error(
+                    404, "this attempt is over (or never existed): its base URL is no longer served"
+                )
+            names = [self.policy_model, *self.frozen]
+            data = [{"id": n, "object": "model", "created": 0, "owned_by": "squall"} for n in names]
+            return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
+
+        async def health() -> Response:
+            return Response(
+                orjson.dumps({"status": "ok", "attempts": len(self.attempts)}), media_type="application/json"
+            )
+
+        for prefix in ("/a/{token}/v1", "/a/{token}/agent/{agent}/v1"):
+            app.add_api_route(f"{prefix}/chat/completions", chat, methods=["POST"])
+            app.add_api_route(f"{prefix}/completions", completions, methods=["POST"])
+            app.add_api_route(f"{prefix}/models", models, methods=["GET"])
+        app.add_api_route("/health", health, methods=["GET"])
+        return app
+
+    # --- one call --------------------------------------------------------------------------
+    async def _forward(self, request: Request, token: str, agent: str, route: str) -> Response:
+        attempt = self.attempts.get(token)
+        if attempt is None:
+            return _error(404, "this attempt is over (or never existed): its base URL is no longer served")
+        try:
+            body = orjson.loads(await request.body())
+        except orjson.JSONDecodeError as exc:
+            return _error(400, f"request body is not JSON: {exc}")
+        if not isinstance(body, dict):
+            return _error(400, "request body must be a JSON object")
+        asked_model = str(body.get("model") or self.policy_model)
+        frozen_url = self.frozen.get(asked_model)
+        wants_stream = bool(body.pop("stream", False))
+        include_usage = bool((body.pop("stream_options", None) or {}).get("include_usage"))
+        wants_logprobs = body.get("logprobs")
+        if frozen_url is None:
+            body["model"] = self.policy_model
+            body["return_token_ids"] = True
+            body["logprobs"] = True
+        started = time.perf_counter()
+        try:
+            status, reply, node = await self._post(attempt, route, body, frozen_url)
+        except UpstreamError as exc:
+            attempt.llm_s += time.perf_counter() - started
+            self.log.warning("upstream_failed", attempt=attempt.key, error=str(exc))
+            return _error(502, str(exc), kind="upstream_unavailable")
+        latency = time.perf_counter() - started
+        attempt.llm_s += latency
+        if status != 200:
+            return Response(orjson.dumps(reply), status_code=status, media_type="application/json")
+        try:
+            self._record(attempt, reply, agent, asked_model, node, latency, trained_model=frozen_url is None)
+        except (KeyError, TypeError, ValueError) as exc:
+            attempt.error = f"inference reply from {node} broke the token-id contract: {exc}"
+            return _error(502, attempt.error, kind="upstream_contract")
+        self.calls += 1
+        _strip(reply, keep_logprobs=bool(wants_logprobs))
+        reply["model"] = asked_model
+        if wants_stream:
+            return StreamingResponse(_sse(reply, route, include_usage), media_type="text/event-stream")
+        return Response(orjson.dumps(reply), media_type="application/json")
+
+    async def _post(
+        self, attempt: Attempt, route: str, body: dict, frozen_url: str | None
+    ) -> tuple[int, dict, str]:
+        """POST with retries; returns (status, json, node url). Raises UpstreamError."""
+        payload = orjson.dumps(body)
+        tried: set[str] = set()
+        errors: list[str] = []
+        for retry in range(self.section.upstream_retries + 1):
+            if retry:
+                await asyncio.sleep(RETRY_BACKOFF_S * 2 ** (retry - 1))
+            if frozen_url is not None:
+                base = frozen_url
+            else:
+                sticky = attempt.node if attempt.node and attempt.node not in tried else None
+                base = sticky or self.pool.pick(tried)
+                attempt.node = base
+                self.pool.inflight[base] += 1
+            try:
+                response = await self.client.post(
+                    f"{_v1(base)}/{route}", content=payload, headers={"content-type": "application/json"}
+                )
+            except httpx.HTTPError as exc:
+                errors.append(f"{base}: {type(exc).__name__} {exc}".strip())
+                tried.add(base)
+                continue
+            finally:
+                if frozen_url is None:
+                    self.pool.inflight[base] -= 1
+            if response.status_code in RETRYABLE_STATUS:
+                errors.append(f"{base}: HTTP {response.status_code} {response.text[:200]}")
+                tried.add(base)
+                continue
+            try:
+                reply = orjson.loads(response.content)
+            except orjson.JSONDecodeError:
+                errors.append(f"{base}: HTTP {response.status_code} with a non-JSON body")
+                tried.add(base)
+                continue
+            return response.status_code, reply, base
+        raise UpstreamError(
+            f"inference failed {len(errors)} time(s) for route /v1/{route}: {'; '.join(errors[-3:])}"
+            " — check that the inference nodes in runner.inference_urls are up"
+        )
+
+    def _record(
+        self,
+        attempt: Attempt,
+        reply: dict,
+        agent: str,
+        model: str,
+        node: str,
+        latency: float,
+        *,
+        trained_model: bool,
+    ) -> None:
+        """One Turn per choice, from the ids and logprobs the server sampled."""
+        trained = trained_model and (not self.train_agents or agent in self.train_agents)
+        version = int(reply["weight_version"]) if "weight_version" in reply else -1
+        top_prompt = reply.get("prompt_token_ids")
+        node_id = str(reply.get("node") or node)
+        for choice in reply["choices"]:
+            prompt = choice.get("prompt_token_ids", top_prompt)
+            ids = choice.get("token_ids")
+            logprobs = _logprobs_of(choice.get("logprobs"))
+            if trained_model and (prompt is None or ids is None or logprobs is None):
+                raise ValueError("a policy reply must carry prompt_token_ids, token_ids and logprobs")
+            if ids is not None and logprobs is not None and len(ids) != len(logprobs):
+                raise ValueError(f"{len(ids)} token ids but {len(logprobs)} logprobs")
+            if ids is None:
+                version = -1
+            attempt.turns.append(
+                Turn(
+                    agent=agent,
+                    model=model,
+                    trained=trained,
+                    prompt_ids=pack_tokens(prompt or []),
+                    response_ids=pack_tokens(ids or []),
+                    response_logprobs=pack_logprobs(logprobs if ids is not None and logprobs else []),
+                    version=version,
+                    finish_reason=str(choice.get("finish_reason") or "stop"),
+                    node=node_id,
+                    latency_s=latency,
+                )
+            )
+        first = reply["choices"][0] if reply["choices"] else {}
+        message = first.get("message")
+        attempt.final_answer = message.get("content") if isinstance(message, dict) else first.get("text")
+
+
+def _logprobs_of(block: Any) -> list[float] | None:
+    """Sampled-token logprobs from either OpenAI shape (chat `content` or legacy `token_logprobs`)."""
+    if not isinstance(block, dict):
+        return None
+    if block.get("content") is not None:
+        return [float(item["logprob"]) for item in block["content"]]
+    if block.get("token_logprobs") is not None:
+        return [float(x) for x in block["token_logprobs"]]
+    return None
+
+
+def _strip(reply: dict, *, keep_logprobs: bool) -> None:
+    """Remove what squall added so the agent sees an ordinary OpenAI response."""
+    for name in ("weight_version", "node", "prompt_token_ids"):
+        reply.pop(name, None)
+    for choice in reply.get("choices", []):
+        choice.pop("prompt_token_ids", None)
+        choice.pop("token_ids", None)
+        if not keep_logprobs:
+            choice["logprobs"] = None
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> Response:
+    body = {"error": {"message": message, "type": kind, "code": status}}
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
+
+
+async def _sse(reply: dict, route: str, include_usage: bool) -> AsyncIterator[bytes]:
+    """A complete reply re-emitted as OpenAI stream chunks."""
+    base = {
+        "id": reply.get("id", ""),
+        "created": reply.get("created", int(time.time())),
+        "model": reply.get("model"),
+    }
+    chat = route == "chat/completions"
+    base["object"] = "chat.completion.chunk" if chat else "text_completion"
+    for choice in reply.get("choices", []):
+        index = choice.get("index", 0)
+        if chat:
+            message = dict(choice.get("message") or {})
+            delta: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
+            if message.get("tool_calls"):
+                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+            first = {
+                "index": index,
+                "delta": delta,
+                "finish_reason": None,
+                "logprobs": choice.get("logprobs"),
+            }
+            last = {"index": index, "delta": {}, "finish_reason": choice.get("finish_reason")}
+        else:
+            first = {
+                "index": index,
+                "text": choice.get("text", ""),
+                "finish_reason": None,
+                "logprobs": choice.get("logprobs"),
+            }
+            last = {"index": index, "text": "", "finish_reason": choice.get("finish_reason")}
+        yield b"data: " + orjson.dumps({**base, "choices": [first]}) + b"\n\n"
+        yield b"data: " + orjson.dumps({**base, "choices": [last]}) + b"\n\n"
+    if include_usage and reply.get("usage"):
+        yield b"data: " + orjson.dumps({**base, "choices": [], "usage": reply["usage"]}) + b"\n\n"
+    yield b"data: [DONE]\n\n"

@@ -1,0 +1,289 @@
+"""The runner: K slots executing task attempts with the user's agent, behind a local gateway.
+
+Parts (wired here):
+- fetch loop   one blocking XREADGROUP (group `runners`, a consumer name unique to this
+               process) asking only for as many tasks as there are free slots, plus
+               XAUTOCLAIM of entries whose lease lapsed (their runner died);
+- lease loop   renews the entries of running attempts (GroupConsumer.renew); an attempt
+               whose entry another runner reclaimed is cancelled and never published;
+- attempt      ledger pending -> running, agent under the task's deadline, reward, then
+               `finish`: ONE Lua script that checks we still own the entry, XADDs the
+               Trajectory, XACKs the task and moves the ledger running -> ok|failed|timeout.
+               So an attempt produces exactly one trajectory even across kills and reclaims;
+- `agents`     the agent contract and the reward; `gateway` the local LLM endpoint;
+- heartbeat    Keys.heartbeats `runner:<id>` every `heartbeat_s`.
+An entry delivered more than `max_deliveries` times (runners kept dying on it) finishes as
+failed without running; the scheduler then retries or dead-letters it.
+SIGTERM: stop taking tasks, let running attempts finish within `grace_s`, then cancel the
+rest and hand their entries back at once (their idle time is set past the lease, so the next
+runner's XAUTOCLAIM takes them), exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from squall.shared import bus, schemas
+from squall.shared.config import RunConfig
+from squall.shared.errors import AgentError, SchemaError
+from squall.shared.keys import GROUP_RUNNERS, Keys
+from squall.shared.ledger import Ledger
+from squall.shared.logs import get_logger
+
+from .agents import LLM, CommandAgent, PythonAgent, load_callable, resolve_reward
+from .gateway import Gateway
+
+READ_BLOCK_MS = 1000  # longest XREADGROUP block: how soon the fetch loop notices a stop
+
+# KEYS: tasks, trajectories, attempts, ledger. ARGV: group, consumer, entry id, trajectory
+# bytes, attempt key, new state. Returns 1 when published, 0 when the entry is no longer ours.
+_FINISH = """
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
+if not p[1] or p[1][2] ~= ARGV[2] then return 0 end
+redis.call('XADD', KEYS[2], '*', 'm', ARGV[4])
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
+local old = redis.call('HGET', KEYS[3], ARGV[5])
+if old == 'pending' or old == 'running' then
+  redis.call('HINCRBY', KEYS[4], old, -1)
+  redis.call('HSET', KEYS[3], ARGV[5], ARGV[6])
+  redis.call('HINCRBY', KEYS[4], ARGV[6], 1)
+end
+return 1
+"""
+
+
+@dataclass
+class Running:
+    """One attempt in a slot."""
+
+    task: schemas.Task
+    entry_id: str
+    job: asyncio.Task
+    lost: bool = False  # another runner reclaimed our entry: drop the result
+
+
+class Runner:
+    def __init__(self, config: RunConfig, r: redis.Redis, agent: PythonAgent | CommandAgent) -> None:
+        self.config, self.r, self.agent = config, r, agent
+        self.section = config.runner
+        self.keys = Keys(config.run.name)
+        self.ledger = Ledger(r, self.keys)
+        self.id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.log = get_logger(component="runner", runner_id=self.id)
+        self.consumer = bus.GroupConsumer(
+            r,
+            self.keys.tasks,
+            GROUP_RUNNERS,
+            self.id,
+            kind=schemas.Task,
+            deadletter_stream=self.keys.deadletter,
+        )
+        self.reward_fn = (
+            load_callable(self.section.reward_fn, "reward_fn") if self.section.reward_fn else None
+        )
+        self.gateway = Gateway(self.section, config.model.name)
+        self._finish = r.register_script(_FINISH)
+        self.running: dict[str, Running] = {}  # entry id -> attempt
+        self.stopping = asyncio.Event()
+        self.counts = {
+            "ok": 0,
+            "failed": 0,
+            "timeout": 0,
+            "skipped": 0,
+            "lost": 0,
+            "handed_back": 0,
+            "reclaimed": 0,
+        }
+        self._last_reclaim = 0.0
+
+    # --- main -----------------------------------------------------------------------------
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+        port = await self.gateway.start()
+        self.log.info(
+            "runner_started", agent=self.agent.spec, slots=self.section.concurrency, gateway_port=port
+        )
+        loops = [asyncio.create_task(self._fetch_loop()), asyncio.create_task(self._lease_loop()),
+                 asyncio.create_task(self._heartbeat_loop())]  # fmt: skip
+        await self.stopping.wait()
+        started = time.monotonic()
+        self.log.info("runner_stopping", in_flight=len(self.running), grace_s=self.section.grace_s)
+        jobs = [a.job for a in self.running.values()]
+        if jobs:
+            await asyncio.wait(jobs, timeout=self.section.grace_s)
+        leftover = list(self.running.values())
+        for attempt in leftover:
+            attempt.job.cancel()
+        if leftover:
+            await asyncio.wait([a.job for a in leftover], timeout=5)
+            self._hand_back([a.entry_id for a in leftover])
+        for task in loops:
+            task.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)
+        await self.gateway.stop()
+        await asyncio.to_thread(self.r.hdel, self.keys.heartbeats, f"runner:{self.id}")
+        self.log.info("runner_stopped", seconds=round(time.monotonic() - started, 3), **self.counts)
+        return 0
+
+    def _hand_back(self, entry_ids: list[str]) -> None:
+        """Make entries immediately reclaimable: idle time past the lease, delivery count kept."""
+        idle_ms = int(self.section.lease_s * 1000) * 10
+        self.r.xclaim(self.keys.tasks, GROUP_RUNNERS, self.id, 0, entry_ids, idle=idle_ms, justid=True)
+        self.counts["handed_back"] += len(entry_ids)
+
+    async def _fetch_loop(self) -> None:
+        lease_ms = int(self.section.lease_s * 1000)
+        while not self.stopping.is_set():
+            free = self.section.concurrency - len(self.running)
+            if free <= 0:
+                await asyncio.sleep(0.005)
+                continue
+            deliveries: list[bus.Delivery] = []
+            if time.monotonic() - self._last_reclaim > self.section.lease_s / 2:
+                self._last_reclaim = time.monotonic()
+                deliveries = await asyncio.to_thread(self.consumer.reclaim, lease_ms, free)
+                self.counts["reclaimed"] += len(deliveries)
+            if not deliveries:
+                deliveries = await asyncio.to_thread(self.consumer.read, free, READ_BLOCK_MS)
+            for delivery in deliveries:
+                if self.stopping.is_set():
+                    self._hand_back([delivery.entry_id])
+                    continue
+                job = asyncio.create_task(self._attempt(delivery))
+                self.running[delivery.entry_id] = Running(delivery.message, delivery.entry_id, job)
+                job.add_done_callback(lambda _, e=delivery.entry_id: self.running.pop(e, None))
+
+    async def _lease_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.section.lease_s / 3)
+            ids = list(self.running)
+            if not ids:
+                continue
+            owned = set(await asyncio.to_thread(self.consumer.renew, ids))
+            for entry_id in ids:
+                attempt = self.running.get(entry_id)
+                if entry_id not in owned and attempt is not None:
+                    attempt.lost = True
+                    attempt.job.cancel()
+                    self.counts["lost"] += 1
+                    self.log.warning("lease_lost", task_id=attempt.task.task_id, attempt=attempt.task.attempt)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            body = {"time": time.time(), "slots": self.section.concurrency, "busy": len(self.running),
+                    "gateway_port": self.gateway.port, "pid": os.getpid(), **self.counts}  # fmt: skip
+            await asyncio.to_thread(self.r.hset, self.keys.heartbeats, f"runner:{self.id}", json.dumps(body))
+            await asyncio.sleep(self.section.heartbeat_s)
+
+    # --- one attempt ----------------------------------------------------------------------
+    async def _attempt(self, delivery: bus.Delivery) -> None:
+        task: schemas.Task = delivery.message
+        taken = time.time()
+        if delivery.deliveries > self.section.max_deliveries:
+            error = (f"delivered {delivery.deliveries} times without finishing (lease of {self.section.lease_s}s "
+                     "lapsed each time: runners died or hung on it); giving up on this attempt")  # fmt: skip
+            await self._publish(delivery, self._trajectory(task, "failed", error=error), taken)
+            return
+        state = await asyncio.to_thread(self.ledger.state_of, task.key)
+        if state not in (None, "pending", "running"):
+            # Already finished (or cancelled) — e.g. handed back after its trajectory went out.
+            await asyncio.to_thread(self.consumer.ack, [delivery.entry_id])
+            self.counts["skipped"] += 1
+            return
+        await asyncio.to_thread(self.ledger.move, [task.key], "running", allowed_from=("pending",))
+        remaining = task.deadline - time.time()
+        if remaining <= 0:
+            error = f"deadline passed {-remaining:.1f}s before the attempt started (waited in the queue)"
+            await self._publish(delivery, self._trajectory(task, "timeout", error=error), taken)
+            return
+        attempt = self.gateway.open(task.key)
+        root = self.gateway.base_url(attempt.token).removesuffix("/v1")
+        llm = LLM(
+            base_url=f"{root}/v1", model=self.config.model.name, api_key=f"squall-{attempt.token}", _root=root
+        )
+        status, reward, error = "ok", None, None
+        agent_started = time.perf_counter()
+        deadline = asyncio.timeout(remaining)
+        try:
+            async with deadline:
+                returned = await self.agent(task.payload, llm)
+            if attempt.error:
+                raise AgentError(attempt.error)
+            reward = await resolve_reward(returned, llm, self.reward_fn, task.payload, attempt.final_answer)
+        except TimeoutError as exc:
+            if deadline.expired():
+                status, error = (
+                    "timeout",
+                    f"agent ran past its deadline ({remaining:.1f}s left at start); cancelled",
+                )
+            else:
+                status, error = "failed", f"TimeoutError: {exc}"
+        except asyncio.CancelledError:
+            self.gateway.close(attempt.token)
+            raise  # lease lost or shutting down: no trajectory, the entry goes to another runner
+        except Exception as exc:
+            status, error = "failed", f"{type(exc).__name__}: {exc}"[:4000]
+        agent_s = time.perf_counter() - agent_started
+        self.gateway.close(attempt.token)
+        timings = {"queue": max(0.0, taken - task.created_at), "agent": agent_s, "llm": attempt.llm_s}
+        trajectory = self._trajectory(task, status, reward=reward, error=error, turns=attempt.turns,
+                                      timings=timings, final_answer=attempt.final_answer)  # fmt: skip
+        await self._publish(delivery, trajectory, taken)
+
+    def _trajectory(self, task: schemas.Task, status: str, **fields: Any) -> schemas.Trajectory:
+        return schemas.Trajectory(
+            run=task.run,
+            task_id=task.task_id,
+            group_id=task.group_id,
+            sample_id=task.sample_id,
+            index=task.index,
+            group_size=task.group_size,
+            attempt=task.attempt,
+            mode=task.mode,
+            runner_id=self.id,
+            status=status,  # type: ignore[arg-type]
+            min_version=task.min_version,
+            **fields,
+        )
+
+    async def _publish(self, delivery: bus.Delivery, trajectory: schemas.Trajectory, taken: float) -> None:
+        if trajectory.status == "ok" and trajectory.reward is None:
+            trajectory.status, trajectory.error = "failed", "no reward"
+        try:
+            trajectory.validate()
+        except SchemaError as exc:
+            trajectory = self._trajectory(delivery.message, "failed", error=f"invalid trajectory: {exc}")
+        published = await asyncio.to_thread(
+            self._finish,
+            keys=[self.keys.tasks, self.keys.trajectories, self.keys.attempts, self.keys.ledger],
+            args=[
+                GROUP_RUNNERS,
+                self.id,
+                delivery.entry_id,
+                schemas.encode(trajectory),
+                trajectory.key,
+                trajectory.status,
+            ],
+        )
+        if not published:
+            self.counts["lost"] += 1
+            self.log.warning(
+                "result_dropped_lease_lost", task_id=trajectory.task_id, attempt=trajectory.attempt
+            )
+            return
+        self.counts[trajectory.status] = self.counts.get(trajectory.status, 0) + 1
+        level = self.log.info if trajectory.status == "ok" else self.log.warning
+        level("attempt_finished", task_id=trajectory.task_id, attempt=trajectory.attempt, status=trajectory.status,
+              reward=trajectory.reward, turns=len(trajectory.turns), error=trajectory.error,
+              seconds=round(time.time() - taken, 4))  # fmt: skip
