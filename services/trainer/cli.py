@@ -1,0 +1,31 @@
+"""`squall trainer --config RUN [--backend torch|verl]`: trajectories -> GRPO steps -> weights."""
+
+from __future__ import annotations
+
+import argparse
+
+from squall.shared.cliargs import add_common_arguments
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_common_arguments(parser)
+    parser.add_argument(
+        "--backend", choices=["torch", "verl"], help="training backend (overrides trainer.backend)"
+    )
+    parser.add_argument(
+        "--max-steps", type=int, help="stop after this many optimizer steps (overrides trainer.max_steps)"
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    from squall.shared.cliargs import config_from_args
+    from squall.shared.logs import configure_logging
+
+    config = config_from_args(args, trainer={"backend": args.backend, "max_steps": args.max_steps})
+    configure_logging("trainer", config.run.name, level=config.run.log_level)
+    import torch
+
+    torch.set_num_threads(int(__import__("os").environ.get("SQUALL_TORCH_THREADS", "1")))
+    from .main import run
+
+    return run(config)

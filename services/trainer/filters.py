@@ -1,0 +1,103 @@
+"""Which members of a complete group train, and why the others do not. Pure: no I/O.
+
+Order, per group (members = every attempt the group received, one per member index):
+1. status != ok (failed, timeout, cancelled)        -> filtered:<status>
+2. fewer than 2 ok members, or all ok rewards equal -> filtered:zero_variance (no signal)
+3. advantages over *all* ok members (the baseline uses every valid reward, including
+   members filtered below: a stale or truncated attempt is still an unbiased sample of the
+   group's reward)
+4. per ok member: no trained turn                   -> filtered:no_trained_turns
+                  trainer version - oldest turn version > max_staleness -> filtered:stale
+                  a truncated turn (finish 'length') and overlong='drop' -> filtered:overlong
+                  longer than max_seq_len tokens and overlong != 'keep'  -> filtered:overlong
+With overlong='mask' truncated turns stay in the sequence with loss mask 0 (sequences.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from squall.shared.schemas import Trajectory
+
+from .advantages import get_advantage_fn
+
+ZERO_VARIANCE_TOL = 1e-8
+
+
+@dataclass
+class GroupDecision:
+    """One group's outcome: members to train with their advantage, the rest by reason."""
+
+    group_id: str
+    train: list[Trajectory] = field(default_factory=list)
+    advantages: dict[str, float] = field(default_factory=dict)  # key -> advantage (all ok members)
+    filtered: dict[str, list[Trajectory]] = field(default_factory=dict)  # reason -> members
+    staleness: list[int] = field(default_factory=list)  # per ok member with a served turn
+    rewards: list[float] = field(default_factory=list)  # every ok member's reward
+
+    def drop(self, reason: str, trajectory: Trajectory) -> None:
+        self.filtered.setdefault(reason, []).append(trajectory)
+
+
+def staleness_of(trajectory: Trajectory, trainer_version: int) -> int | None:
+    """Versions between the trainer and the oldest policy version that served a trained turn."""
+    versions = [t.version for t in trajectory.turns if t.trained and t.version >= 0]
+    return trainer_version - min(versions) if versions else None
+
+
+def is_truncated(trajectory: Trajectory) -> bool:
+    return any(t.trained and t.finish_reason == "length" for t in trajectory.turns)
+
+
+def sequence_tokens(trajectory: Trajectory) -> int:
+    """Upper bound of one merged sequence's length: the last trained turn's prompt + response."""
+    trained = [t for t in trajectory.turns if t.trained]
+    if not trained:
+        return 0
+    return max((len(t.prompt_ids) + len(t.response_ids)) // 4 for t in trained)
+
+
+def decide_group(
+    group_id: str,
+    members: Sequence[Trajectory],
+    *,
+    trainer_version: int,
+    max_staleness: int,
+    overlong: str,
+    max_seq_len: int,
+    advantage: str = "grpo",
+) -> GroupDecision:
+    decision = GroupDecision(group_id)
+    ok = []
+    for traj in members:
+        if traj.status != "ok" or traj.reward is None:
+            decision.drop(traj.status if traj.status != "ok" else "failed", traj)
+        else:
+            ok.append(traj)
+    rewards = [float(t.reward) for t in ok]  # type: ignore[arg-type]
+    decision.rewards = rewards
+    if len(ok) < 2 or max(rewards) - min(rewards) <= ZERO_VARIANCE_TOL:
+        for traj in ok:
+            decision.drop("zero_variance", traj)
+        return decision
+    advantages = get_advantage_fn(advantage)(rewards, [group_id] * len(ok))
+    decision.advantages = {t.key: a for t, a in zip(ok, advantages, strict=True)}
+    for traj in ok:
+        staleness = staleness_of(traj, trainer_version)
+        if staleness is not None:
+            decision.staleness.append(staleness)
+        if staleness is None:
+            decision.drop("no_trained_turns", traj)
+        elif staleness > max_staleness:
+            decision.drop("stale", traj)
+        elif (
+            overlong == "drop"
+            and is_truncated(traj)
+            or overlong != "keep"
+            and sequence_tokens(traj) > max_seq_len
+        ):
+            decision.drop("overlong", traj)
+        else:
+            decision.train.append(traj)
+    return decision

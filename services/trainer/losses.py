@@ -1,0 +1,98 @@
+"""Policy-gradient loss: PPO-clip on the ratio to the behaviour policy, with truncated
+importance sampling, optional k3 KL to a frozen reference. Pure functions on tensors.
+
+Shapes: B sequences, T target positions. Every (B, T) tensor lines up with the shifted
+targets of ``sequences.collate``.
+
+The loss per token (A = advantage, r = exp(logp - behaviour_logp)):
+
+    unclipped = -A * min(r, tis_cap) * exp(logp - sg(logp))   # value -A*min(r, C), grad weight min(r, C)
+    clipped   = -A * clip(r, 1 - clip_low, 1 + clip_high)
+    loss_t    = max(unclipped, clipped) + kl_coef * k3(logp, ref_logp)
+
+so the importance weight to the behaviour policy (the server that sampled the token, often
+some versions behind) is truncated at ``tis_cap`` as in TIS (Yao et al. 2025) - the gradient
+keeps a bounded weight instead of vanishing - while the PPO clip still stops the update
+where the ratio already moved past 1 +/- clip in the advantage's direction. The step's loss
+is sum_t weights_t * loss_t (the weights carry the token/trajectory normalisation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor  # () weighted sum, differentiable
+    pg_loss: float  # weighted sum of the policy term alone
+    kl: float  # mean k3 KL over trained tokens (0 without reference)
+    clip_fraction: float  # share of trained tokens where the clipped branch was active
+    tis_fraction: float  # share of trained tokens whose ratio was truncated at tis_cap
+    ratio_mean: float  # mean r over trained tokens
+    tokens: int  # trained tokens
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """logits (B, T, V), targets (B, T) -> log p(target) (B, T), in float32."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return torch.gather(logp, -1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+@torch.no_grad()
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """logits (B, T, V) -> entropy of each position's distribution (B, T)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1, (B, T)."""
+    delta = ref_logp - logp
+    return torch.exp(delta) - delta - 1.0
+
+
+def ppo_tis_loss(
+    logp: torch.Tensor,
+    behaviour_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    tis_cap: float,
+    ref_logp: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> LossOutput:
+    """All inputs (B, T); logp carries the gradient. Returns the weighted loss and stats."""
+    mask = loss_mask > 0
+    n = int(mask.sum())
+    log_ratio = (logp - behaviour_logp).clamp(-20.0, 20.0)  # keep exp finite on masked junk
+    ratio = torch.exp(log_ratio)  # (B, T)
+    is_weight = torch.clamp(ratio.detach(), max=tis_cap)
+    unclipped = -advantages * is_weight * torch.exp(logp - logp.detach())
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    pg = torch.maximum(unclipped, clipped)  # (B, T)
+    pg_loss = (pg * weights).sum()
+    loss = pg_loss
+    kl_mean = 0.0
+    if ref_logp is not None:
+        kl = k3_kl(logp, ref_logp)
+        if kl_coef:
+            loss = loss + kl_coef * (kl * weights).sum()
+        kl_mean = float(kl.detach()[mask].mean()) if n else 0.0
+    with torch.no_grad():
+        clip_active = (clipped > unclipped) & mask
+        truncated = (ratio > tis_cap) & mask
+        return LossOutput(
+            loss=loss,
+            pg_loss=float(pg_loss.detach()),
+            kl=kl_mean,
+            clip_fraction=float(clip_active.sum()) / n if n else 0.0,
+            tis_fraction=float(truncated.sum()) / n if n else 0.0,
+            ratio_mean=float(ratio[mask].mean()) if n else 0.0,
+            tokens=n,
+        )

@@ -1,0 +1,99 @@
+"""Weight publication: safetensors written to a temp name, fsynced, renamed, checksummed,
+then announced as WeightVersion on `weights`; old versions pruned only once every
+inference node acknowledged a newer one."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import redis
+from squall.shared import bus
+from squall.shared.keys import Keys
+from squall.shared.schemas import WeightVersion
+
+from .checkpoint import fsync_dir
+
+WEIGHTS_FILE = "model.safetensors"
+VERSION_DIR = re.compile(r"^v(\d{6,})$")
+HASH_CHUNK = 1 << 20  # bytes read at a time while hashing
+
+
+def version_dir(run_dir: str | Path, version: int) -> Path:
+    return Path(run_dir) / "weights" / f"v{version:06d}"
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class Publisher:
+    def __init__(self, r: redis.Redis, keys: Keys, run_dir: str | Path, *, keep_versions: int) -> None:
+        self.r, self.keys = r, keys
+        self.root = Path(run_dir) / "weights"
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.keep_versions = keep_versions
+
+    def published_version(self) -> int | None:
+        """The version the trainer last announced (versions hash field `trainer`)."""
+        raw = self.r.hget(self.keys.versions, "trainer")
+        return int(raw) if raw is not None else None
+
+    def write(self, version: int, state: dict[str, Any]) -> tuple[Path, str]:
+        """Write the weights of `version` durably; returns (path, sha256)."""
+        from safetensors.torch import save_file
+
+        folder = version_dir(self.root.parent, version)
+        folder.mkdir(parents=True, exist_ok=True)
+        final = folder / WEIGHTS_FILE
+        tmp = folder / f".{WEIGHTS_FILE}.tmp-{os.getpid()}"
+        save_file(state, str(tmp), metadata={"format": "pt", "version": str(version)})
+        with open(tmp, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.rename(tmp, final)
+        fsync_dir(folder)
+        return final, sha256_file(final)
+
+    def publish(self, version: int, step: int, state: dict[str, Any]) -> WeightVersion:
+        path, checksum = self.write(version, state)
+        message = WeightVersion(
+            run=self.keys.run, version=version, step=step, location=str(path.resolve()), checksum=checksum
+        )
+        bus.publish(self.r, self.keys.weights, message)
+        self.r.hset(self.keys.versions, "trainer", version)
+        return message
+
+    def node_versions(self) -> dict[str, int]:
+        raw = self.r.hgetall(self.keys.versions)
+        return {k.decode(): int(v) for k, v in raw.items() if k.decode().startswith("inference:")}
+
+    def on_disk(self) -> list[int]:
+        out = []
+        for path in self.root.iterdir():
+            match = VERSION_DIR.match(path.name)
+            if match and path.is_dir():
+                out.append(int(match.group(1)))
+        return sorted(out)
+
+    def prune(self) -> list[int]:
+        """Remove versions older than every node's acknowledged one, keeping the newest
+        `keep_versions`; returns the versions removed."""
+        nodes = self.node_versions()
+        oldest_served = min(nodes.values()) if nodes else None
+        versions = self.on_disk()
+        removable = versions[: max(0, len(versions) - self.keep_versions)]
+        removed = []
+        for version in removable:
+            if oldest_served is not None and version >= oldest_served:
+                break  # some node serves this one or has not acknowledged anything newer
+            shutil.rmtree(version_dir(self.root.parent, version), ignore_errors=True)
+            removed.append(version)
+        return removed
