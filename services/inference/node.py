@@ -1,0 +1,136 @@
+"""An inference node: one model replica behind an OpenAI-compatible API, following weights.
+
+Parts, each its own module, wired here and nowhere else:
+- engine.py — the backend interface and factory; torch_engine.py (transformers, continuous
+  batching, sampling.py, detokenize.py) and vllm_engine.py implement it;
+- server.py — the HTTP API (FastAPI) over the engine; protocol.py validates request bodies,
+  tools.py renders and parses tool calls;
+- reload.py — follows the `weights` stream, verifies and hot-loads new versions, acknowledges
+  them, and writes the heartbeat;
+- metrics.py — the Prometheus registry behind /metrics.
+
+Start-up order: load the model, load the newest published weights (so a restarted node never
+serves a stale version), then listen. Shutdown: stop listening, stop following, stop the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+
+import structlog
+from squall.shared.config import RunConfig
+from squall.shared.errors import ConfigError
+from squall.shared.keys import Keys
+
+from .engine import make_engine
+from .metrics import InferenceMetrics
+
+log = structlog.get_logger()
+
+
+class InferenceNode:
+    def __init__(self, config: RunConfig, model_dir: str | None = None) -> None:
+        self.config = config
+        section = config.inference
+        self.model_dir = model_dir or config.model.path
+        if not self.model_dir:
+            raise ConfigError("no model: pass --model DIR or set model.path")
+        self.node = section.node or f"{section.host}:{section.port}"
+        self.model_name = section.model_name or config.model.name
+        self.metrics = InferenceMetrics()
+        self.ready = threading.Event()  # set once the node accepts requests
+        self.engine = None
+        self.follower = None
+        self._server = None
+
+    @property
+    def url(self) -> str:
+        section = self.config.inference
+        return f"http://{section.host}:{section.port}"
+
+    async def serve(self) -> None:
+        import uvicorn
+
+        from .reload import WeightFollower
+        from .server import create_app
+
+        section = self.config.inference
+        if section.backend == "torch" and section.torch_threads:
+            import torch
+
+            torch.set_num_threads(section.torch_threads)
+        self.engine = engine = make_engine(self.config, self.model_dir)
+        await engine.start()
+        follow_task = None
+        redis_client = None
+        try:
+            if section.follow_weights:
+                redis_client = await self._redis()
+                keys = Keys(self.config.run.name)
+                self.follower = WeightFollower(
+                    redis_client, keys, engine, node=self.node, url=self.url, metrics=self.metrics
+                )
+                await self.follower.catch_up()
+                follow_task = asyncio.create_task(self.follower.run(), name="weight-follower")
+            app = create_app(
+                engine,
+                model_name=self.model_name,
+                node=self.node,
+                api_key=section.api_key,
+                metrics=self.metrics,
+            )
+            config = uvicorn.Config(
+                app,
+                host=section.host,
+                port=section.port,
+                log_level="warning",
+                access_log=False,
+                lifespan="off",
+            )
+            self._server = uvicorn.Server(config)
+            serving = asyncio.create_task(self._server.serve())
+            while not self._server.started and not serving.done():
+                await asyncio.sleep(0.01)
+            if self._server.started:
+                self.ready.set()
+                log.info(
+                    "inference_started",
+                    node=self.node,
+                    url=self.url,
+                    model=self.model_name,
+                    backend=section.backend,
+                    weight_version=engine.weight_version,
+                )
+            await serving
+        finally:
+            if self.follower is not None:
+                self.follower.stop()
+            if follow_task is not None:
+                follow_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await follow_task
+            if redis_client is not None:
+                await redis_client.aclose()
+            await engine.stop()
+            log.info("inference_stopped", node=self.node, weight_version=engine.weight_version)
+
+    async def _redis(self):
+        import redis.asyncio
+        from squall.shared.redisconn import SOCKET_TIMEOUT_S, connect
+
+        run = self.config.run
+        # The sync connect pings (and may start a local Redis); the follower then reads async.
+        await asyncio.to_thread(lambda: connect(run.redis_url, autostart=run.autostart_redis).close())
+        return redis.asyncio.Redis.from_url(run.redis_url, socket_timeout=SOCKET_TIMEOUT_S)
+
+    def stop(self) -> None:
+        """Ask a serving node to shut down (from any thread)."""
+        if self._server is not None:
+            self._server.should_exit = True
+
+
+def run(config: RunConfig, model_dir: str | None = None) -> int:
+    asyncio.run(InferenceNode(config, model_dir).serve())
+    return 0
