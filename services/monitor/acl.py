@@ -1,0 +1,266 @@
+"""`squall acl`: a Redis ACL file with one least-privilege user per service.
+
+Each service user gets exactly the commands it calls, on exactly the keys of one run
+(`squall:{run}:<name>`, names from shared/keys.py). Permissions are written as Redis 7
+*selectors*: a command is allowed when one grant (the root one or a `(...)` selector) names
+both the command and every key it touches, so "XADD on trajectories" does not leak into
+"XADD on tasks" although the runner holds both XADD and some right on `tasks`.
+
+What Redis ACLs can express here, and what they cannot (docs/operating.md has the matrix):
+- can: which commands, on which key names, read (`%R~`) or read-write (`~`); keyless
+  commands (PING, SCRIPT LOAD, MULTI) per user; no pub/sub channels; `default` disabled.
+  Lua scripts run as the calling user, so every command a script calls is checked too.
+- cannot: a consumer-group or consumer name (a user allowed XREADGROUP on a stream may
+  name any group of it), a hash field (any user that may HSET heartbeats may write any
+  field), XADD's MAXLEN/MINID arguments (an XADD may trim), message contents (a runner
+  can forge a reward), or rates and sizes (a loaded Lua script may loop until busy-timeout).
+
+Passwords are generated (or given with --password SERVICE=SECRET) and written only to
+the per-service env files (mode 0600); the ACL file holds their SHA-256 (`#<hex>`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import secrets
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import quote
+
+from squall.shared.keys import Keys
+
+SERVICES = ("scheduler", "runner", "trainer", "inference", "monitor")
+ADMIN_USER = "admin"  # full rights, for operators' redis-cli and migrations; never given to a service
+PASSWORD_BYTES = 32  # 256 random bits per generated password
+ACL_FILE = "users.acl"
+
+# Keyless commands every service user needs: connection setup as redis-py does it (AUTH is
+# always allowed; HELLO for RESP3, SELECT for /db in the URL; CLIENT SETINFO is left out
+# because Redis 7.0 does not know it and rejects the whole file: redis-py ignores its refusal),
+# MULTI/EXEC for transactional pipelines, and loading the Lua scripts of shared/bus.py and
+# shared/ledger.py (redis-py's Script does EVALSHA, then SCRIPT LOAD on NOSCRIPT;
+# pipelines check with SCRIPT EXISTS first).
+CONNECTION = (
+    "ping", "echo", "hello", "select", "reset", "quit",
+    "client|setname", "client|getname", "client|id",
+    "multi", "exec", "discard",
+    "script|load", "script|exists",
+)  # fmt: skip
+
+# Command sets, named by what they are for.
+STREAM_READ = ("xlen", "xrange", "xrevrange", "xread", "xinfo|stream")
+STREAM_GROUP_INFO = ("xinfo|groups", "xinfo|consumers", "xpending")
+STREAM_CONSUME = ("xreadgroup", "xack", "xclaim", "xautoclaim", "xpending", "xgroup|create")
+STREAM_APPEND = ("xadd",)
+STREAM_TRIM = ("xtrim",)
+HASH_READ = ("hget", "hmget", "hgetall", "hlen", "hkeys", "hexists", "hscan")
+HASH_WRITE = ("hset", "hdel", "hincrby")
+# shared/ledger.py's transition script: EVALSHA with KEYS = attempts, ledger; it calls
+# HGET, HSET and HINCRBY on them. shared/bus.py's renew script: EVALSHA with KEYS = the
+# stream; it calls XPENDING and XCLAIM on it.
+SCRIPT = ("evalsha",)
+# Read-only keyspace look-ups a monitor may make on the run's keys.
+KEY_INFO = ("exists", "type")
+
+
+@dataclass(frozen=True)
+class Grant:
+    """Some commands on some keys of the run: one ACL selector."""
+
+    commands: tuple[str, ...]
+    keys: tuple[str, ...]  # attribute names of shared.keys.Keys (tasks, ledger, ...)
+    write: bool  # False: read-only key access (%R~), even for a command that would write
+
+
+def _unique(items: tuple[str, ...]) -> list[str]:
+    return list(dict.fromkeys(items))
+
+
+# What every service writes: a heartbeat field, lifecycle events, dead letters; and the
+# run config it may read.
+_COMMON_GRANTS = (
+    Grant(HASH_WRITE[:2] + ("hget",), ("heartbeats",), write=True),
+    Grant(STREAM_APPEND, ("events", "deadletter"), write=True),
+    Grant(HASH_READ, ("config",), write=False),
+)
+_LEDGER = Grant(
+    SCRIPT + ("hget", "hset", "hincrby", "hgetall", "hlen", "hscan"), ("attempts", "ledger"), write=True
+)
+
+# The matrix. Each tuple lists the grants of one service user besides the common ones.
+MATRIX: dict[str, tuple[Grant, ...]] = {
+    # Owns the run: dispatches tasks, consumes its group of trajectories, keeps the ledger,
+    # the groups and its cursor, writes the reward curve, reads control and versions.
+    "scheduler": (
+        Grant(STREAM_APPEND + STREAM_READ + STREAM_GROUP_INFO + STREAM_CONSUME + STREAM_TRIM + ("xdel",),
+              ("tasks",), write=True),
+        Grant(STREAM_CONSUME + STREAM_READ + STREAM_GROUP_INFO + STREAM_TRIM, ("trajectories",), write=True),
+        Grant(STREAM_APPEND + STREAM_READ + STREAM_TRIM, ("rewards", "control", "events", "deadletter"), write=True),
+        Grant(STREAM_READ, ("weights", "weights_applied", "metrics"), write=False),
+        _LEDGER,
+        Grant(HASH_READ + HASH_WRITE + ("del",), ("groups", "scheduler_state", "config"), write=True),
+        Grant(HASH_READ, ("versions", "heartbeats"), write=False),
+    ),
+    # Stateless worker: consumes `tasks` in group `runners` (read, ack, renew by script,
+    # reclaim lapsed leases) and appends trajectories. It never reads trajectories, never
+    # adds tasks, never touches the ledger.
+    "runner": (
+        Grant(STREAM_CONSUME + SCRIPT, ("tasks",), write=True),
+        Grant(STREAM_APPEND, ("trajectories",), write=True),
+        Grant(HASH_READ, ("versions",), write=False),
+        Grant(STREAM_READ, ("control",), write=False),
+    ),
+    # Consumes `trajectories` in group `trainer`, moves attempts to trained/filtered,
+    # publishes weights and metrics and its own version.
+    "trainer": (
+        Grant(STREAM_CONSUME + STREAM_READ + STREAM_GROUP_INFO + STREAM_TRIM + SCRIPT, ("trajectories",), write=True),
+        Grant(STREAM_APPEND + STREAM_READ, ("weights", "metrics"), write=True),
+        Grant(STREAM_READ, ("weights_applied",), write=False),
+        Grant(("hset", "hget", "hgetall"), ("versions",), write=True),
+        _LEDGER,
+    ),
+    # Follows `weights` (no group: every node sees every entry), acknowledges versions.
+    "inference": (
+        Grant(STREAM_READ, ("weights",), write=False),
+        Grant(STREAM_APPEND, ("weights_applied",), write=True),
+        Grant(("hset", "hget", "hgetall"), ("versions",), write=True),
+    ),
+    # Dashboard and `squall status`: reads everything of the run, writes nothing.
+    "monitor": (
+        Grant(STREAM_READ + STREAM_GROUP_INFO + HASH_READ + KEY_INFO, ("*",), write=False),
+    ),
+}  # fmt: skip
+
+
+def key_names(keys: Keys, name: str) -> str:
+    """A Keys attribute's key, or `*` for every key of the run."""
+    return keys.key_for("*") if name == "*" else getattr(keys, name)
+
+
+def rules_for(service: str, keys: Keys) -> list[str]:
+    """The ACL rules (root grant first, then selectors) of one service user, without the password."""
+    grants = (*MATRIX[service], *(_COMMON_GRANTS if service != "monitor" else ()))
+    parts = ["on", "resetchannels", "resetkeys", "-@all"]
+    parts += [f"+{c}" for c in CONNECTION]
+    for grant in grants:
+        commands = " ".join(f"+{c}" for c in _unique(grant.commands))
+        prefix = "~" if grant.write else "%R~"
+        patterns = " ".join(prefix + key_names(keys, name) for name in _unique(grant.keys))
+        parts.append(f"({commands} {patterns})")
+    return parts
+
+
+def password_hash(password: str) -> str:
+    return hashlib.sha256(password.encode()).hexdigest()
+
+
+def acl_text(keys: Keys, passwords: dict[str, str]) -> str:
+    """The ACL file: `default` off, one user per service, and `admin` (full rights)."""
+    # An ACL file takes no comments: every line is a `user` line.
+    lines = ["user default off resetpass resetkeys resetchannels -@all"]
+    for service in SERVICES:
+        rules = " ".join(rules_for(service, keys))
+        lines.append(f"user squall-{service} {rules} #{password_hash(passwords[service])}")
+    lines.append(f"user squall-{ADMIN_USER} on ~* &* +@all #{password_hash(passwords[ADMIN_USER])}")
+    return "\n".join(lines) + "\n"
+
+
+def redis_url(user: str, password: str, host: str, port: int, db: int, tls: bool) -> str:
+    scheme = "rediss" if tls else "redis"
+    return f"{scheme}://{quote(user, safe='')}:{quote(password, safe='')}@{host}:{port}/{db}"
+
+
+def _write_private(path: Path, text: str, mode: int = 0o600) -> None:
+    """Create with `mode` from the start (never world-readable for an instant), then replace."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        os.write(fd, text.encode())
+        os.fchmod(fd, mode)  # umask may have narrowed it; an existing tmp kept its own
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def write_acl(
+    out_dir: str | Path,
+    run: str,
+    *,
+    passwords: dict[str, str] | None = None,
+    host: str = "127.0.0.1",
+    port: int = 6379,
+    db: int = 0,
+    tls: bool = False,
+    acl_mode: int = 0o600,
+) -> dict[str, Path]:
+    """Write `users.acl` and `<service>.env` (one per service user, plus admin.env) to `out_dir`.
+
+    Returns name -> path. Given passwords are kept; missing ones are generated.
+    """
+    keys = Keys(run)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    chosen = dict(passwords or {})
+    unknown = set(chosen) - {*SERVICES, ADMIN_USER}
+    if unknown:
+        raise SystemExit(
+            f"--password for unknown user(s) {sorted(unknown)}: known are {[*SERVICES, ADMIN_USER]}"
+        )
+    for name in (*SERVICES, ADMIN_USER):
+        chosen.setdefault(name, secrets.token_urlsafe(PASSWORD_BYTES))
+    written = {"acl": out / ACL_FILE}
+    _write_private(written["acl"], acl_text(keys, chosen), acl_mode)
+    for name in (*SERVICES, ADMIN_USER):
+        url = redis_url(f"squall-{name}", chosen[name], host, port, db, tls)
+        body = (
+            f"# squall {name}: Redis credentials for run {run!r} (secret: keep mode 0600)\n"
+            f"SQUALL_RUN__NAME={run}\nSQUALL_RUN__REDIS_URL={url}\nSQUALL_RUN__AUTOSTART_REDIS=false\n"
+        )
+        written[name] = out / f"{name}.env"
+        _write_private(written[name], body)
+    return written
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--run", default=os.environ.get("SQUALL_RUN__NAME", "default"), help="run name")
+    parser.add_argument("--out", default="deploy/secrets", help="folder for users.acl and the env files")
+    parser.add_argument("--host", default="127.0.0.1", help="Redis host the services connect to")
+    parser.add_argument("--port", type=int, default=6379, help="Redis port")
+    parser.add_argument("--db", type=int, default=0, help="Redis database number")
+    parser.add_argument("--tls", action="store_true", help="write rediss:// URLs (TLS)")
+    parser.add_argument(
+        "--password", action="append", default=[], metavar="USER=SECRET",
+        help="use this password instead of a generated one (user: scheduler, runner, trainer, "
+        "inference, monitor, admin); repeatable",
+    )  # fmt: skip
+    parser.add_argument(
+        "--acl-mode",
+        default="600",
+        help="octal mode of users.acl (640/644 when redis-server runs as another user)",
+    )
+    parser.add_argument("--print", action="store_true", help="print the ACL file (hashes only) to stdout")
+
+
+def main(args: argparse.Namespace) -> int:
+    passwords = {}
+    for item in args.password:
+        user, sep, secret = item.partition("=")
+        if not sep or not secret:
+            print(f"squall acl: --password wants USER=SECRET, got {user!r}=…", file=sys.stderr)
+            return 2
+        passwords[user] = secret
+    written = write_acl(
+        args.out, args.run, passwords=passwords, host=args.host, port=args.port, db=args.db, tls=args.tls,
+        acl_mode=int(args.acl_mode, 8),
+    )  # fmt: skip
+    if args.print:
+        print(written["acl"].read_text(), end="")
+    names = ", ".join(p.name for k, p in written.items() if k != "acl")
+    print(
+        f"squall acl: wrote {written['acl']} and {names} in {Path(args.out)} (secrets: mode 0600)",
+        file=sys.stderr,
+    )
+    return 0
