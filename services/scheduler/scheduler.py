@@ -135,6 +135,7 @@ class Scheduler:
             "duplicates": 0,
         }
         self._last_heartbeat = 0.0
+        self.started = time.monotonic()
         self._order: list[int] | None = None
 
     # --- data ----------------------------------------------------------------
@@ -428,6 +429,7 @@ class Scheduler:
         while self.dispatch_train(version):
             pass
         if self.finished:
+            self._finish()
             return False
         self._heartbeat(version)
         for delivery in self.consumer.read(count=256, block_ms=int(self.section.poll_s * 1000)):
@@ -435,7 +437,7 @@ class Scheduler:
         return True
 
     def run(self) -> int:
-        started = time.monotonic()
+        self.started = time.monotonic()
         self.log.info("scheduler_started", train=len(self.splits.train), val=len(self.splits.val),
                       open_groups=len(self.groups), epoch=self.cursor.epoch, position=self.cursor.position)  # fmt: skip
         self._event("started", open_groups=len(self.groups), samples=self.cursor.samples)
@@ -443,9 +445,11 @@ class Scheduler:
             self.handle(delivery)
         while self.step():
             pass
+        return 0
+
+    def _finish(self) -> None:
         reason = "drained" if self.cursor.draining else "dataset_exhausted"
         self._event("finished", reason=reason, samples=self.cursor.samples, **self.counts)
         self.r.hdel(self.keys.heartbeats, f"scheduler:{self.id}")
         self.log.info("scheduler_finished", reason=reason, samples=self.cursor.samples,
-                      seconds=round(time.monotonic() - started, 3), **self.counts)  # fmt: skip
-        return 0
+                      seconds=round(time.monotonic() - self.started, 3), **self.counts)  # fmt: skip

@@ -1,0 +1,205 @@
+"""The scheduler against a real Redis (and real runner processes where attempts must run)."""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+
+import pytest
+from runner_helpers import Procs, events, tasks, trajectories, wait_for, write_jsonl
+from squall.scheduler.scheduler import Scheduler
+from squall.scheduler.status import collect
+from squall.shared import bus, schemas
+from squall.shared.config import load_config
+from squall.shared.keys import Keys
+from squall.shared.ledger import Ledger
+
+pytestmark = pytest.mark.redis
+
+
+def make_config(redis_url, run, dataset, **scheduler):
+    return load_config(
+        env={},
+        overrides={
+            "run": {"name": run, "redis_url": redis_url},
+            "scheduler": {"dataset": str(dataset), **scheduler},
+        },
+    )
+
+
+@pytest.fixture
+def procs(redis_url, run_name, tmp_path):
+    p = Procs(redis_url, run_name, tmp_path, SQUALL_RUNNER__LEASE_S="1")
+    yield p
+    p.stop_all()
+
+
+def test_admission_bounds_inflight_groups_and_staleness(r, redis_url, run_name, tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"id": i} for i in range(50)])
+    config = make_config(redis_url, run_name, data, group_size=3, max_inflight_groups=4, max_staleness=1)
+    sched = Scheduler(config, r)
+    while sched.dispatch_train(0):
+        pass
+    keys = Keys(run_name)
+    assert r.hlen(keys.groups) == 4  # backpressure: no 5th group
+    sent = tasks(r, run_name)
+    assert len(sent) == 12 and {t.min_version for t in sent} == {0}
+    assert sorted(t.task_id for t in sent) == sorted(f"{t.group_id}:{t.index}" for t in sent)
+    assert Ledger(r, keys).counts() == {"dispatched": 12, "pending": 12}
+
+    sched.cursor.max_inflight_groups = 10  # as a Control `limits` would
+    assert not sched.dispatch_train(2)  # 2 - 0 > max_staleness: these groups would be too stale
+    assert sched.dispatch_train(1)
+    assert tasks(r, run_name)[-1].min_version == 1
+
+    restarted = Scheduler(config, r)  # state and cursor come back from Redis
+    assert restarted.cursor.samples == 5 and set(restarted.groups) == set(sched.groups)
+
+
+def test_run_to_completion_with_epochs_and_ledger(r, redis_url, run_name, tmp_path, procs):
+    rows = [{"id": f"s{i}", "reward": i % 2} for i in range(5)]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    procs.start("runner", "--agent", "runner_agents:trivial", "--concurrency", "4")
+    sched = procs.start("scheduler", "--dataset", str(data), "--group-size", "2", "--epochs", "2")
+    assert sched.wait(60) == 0
+    keys = Keys(run_name)
+    counts = Ledger(r, keys).counts()
+    assert counts == {"dispatched": 20, "ok": 20}
+    trajs = trajectories(r, run_name)
+    assert len(trajs) == 20 and len({t.key for t in trajs}) == 20
+    assert sorted(t.sample_id for t in trajs) == sorted([f"s{i}" for i in range(5)] * 4)
+    assert all(t.reward == int(t.sample_id[1:]) % 2 for t in trajs)
+    assert [e.fields["reason"] for e in events(r, run_name, "finished")] == ["dataset_exhausted"]
+    points = r.xrange(keys.rewards)
+    assert len(points) == 10 and {p[1][b"mode"] for p in points} == {b"train"}
+    status = collect(r, run_name)
+    assert status["ledger"]["balanced"] and status["open_groups"] == 0
+    assert status["streams"]["trajectories"]["groups"]["scheduler"]["pending"] == 0
+
+
+@pytest.mark.slow
+def test_failures_are_retried_per_member_then_deadlettered(r, redis_url, run_name, tmp_path, procs):
+    rows = [{"id": b, "behave": b} for b in ("ok", "raise", "hang", "nan", "none", "emit")]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    procs.start("runner", "--agent", "runner_agents:trivial", "--concurrency", "6")
+    sched = procs.start(
+        "scheduler", "--dataset", str(data), "--group-size", "1",
+        SQUALL_SCHEDULER__MAX_ATTEMPTS="2", SQUALL_SCHEDULER__TASK_TIMEOUT_S="1.5",
+    )  # fmt: skip
+    assert sched.wait(60) == 0
+    by_sample: dict[str, list] = {}
+    for t in trajectories(r, run_name):
+        by_sample.setdefault(t.sample_id, []).append(t)
+    assert [(t.status, t.reward) for t in by_sample["ok"]] == [("ok", 1.0)]
+    assert [(t.status, t.reward) for t in by_sample["emit"]] == [("ok", 0.5)]
+    expected = {"raise": ("failed", "agent exploded"), "hang": ("timeout", "deadline"),
+                "nan": ("failed", "reward is nan"), "none": ("failed", "no reward")}  # fmt: skip
+    for sample, (status, text) in expected.items():
+        got = by_sample[sample]
+        assert [t.attempt for t in got] == [0, 1], sample  # one retry, then no more
+        assert all(t.status == status and t.reward is None and text in t.error for t in got), (sample, got)
+    counts = Ledger(r, Keys(run_name)).counts()
+    assert counts == {"dispatched": 10, "ok": 2, "retried": 4, "deadlettered": 4}
+    dead = r.xrange(Keys(run_name).deadletter)
+    assert len(dead) == 4 and all(b"in all 2 attempts" in f[b"reason"] for _, f in dead)
+
+
+def test_validation_rounds_every_k_versions(r, redis_url, run_name, tmp_path, procs):
+    rows = [{"id": i, "reward": 0.25 * (i % 4)} for i in range(8)]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    config = make_config(
+        redis_url, run_name, data, group_size=2, val_fraction=0.5, val_every=2, max_inflight_groups=1
+    )
+    procs.start("runner", "--agent", "runner_agents:trivial", "--concurrency", "4")
+    sched = Scheduler(config, r)
+    keys = Keys(run_name)
+    expected_mean = sum(s.row["reward"] for s in sched.splits.val) / len(sched.splits.val)
+
+    def val_points():
+        sched.step()
+        return [f for _, f in r.xrange(keys.rewards) if f[b"mode"] == b"val"]
+
+    first = wait_for(val_points, 30, "the first validation round")
+    assert int(first[0][b"version"]) == 0 and float(first[0][b"mean"]) == pytest.approx(expected_mean)
+    r.hset(keys.versions, "trainer", 1)  # not yet: every 2 versions
+    for _ in range(5):
+        sched.step()
+    assert len([f for _, f in r.xrange(keys.rewards) if f[b"mode"] == b"val"]) == 1
+    r.hset(keys.versions, "trainer", 2)
+    points = wait_for(lambda: len(val_points()) == 2 and val_points(), 30, "the second round")
+    assert int(points[1][b"version"]) == 2
+    val_trajs = [t for t in trajectories(r, run_name) if t.mode == "val"]
+    assert len(val_trajs) == 8 and all(Ledger(r, keys).state_of(t.key) == "validated" for t in val_trajs)
+    while sched.step():
+        pass
+    assert Ledger(r, keys).balanced()
+
+
+def test_control_pause_resume_drain(r, redis_url, run_name, tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"id": i} for i in range(20)])
+    config = make_config(redis_url, run_name, data, group_size=1, max_inflight_groups=2, poll_s=0.05)
+    sched = Scheduler(config, r)
+    keys = Keys(run_name)
+
+    def control(action, **limits):
+        bus.publish(r, keys.control, schemas.Control(run=run_name, action=action, limits=limits))
+
+    control("pause")
+    sched.step()
+    assert r.xlen(keys.tasks) == 0
+    control("resume")
+    control("limits", max_inflight_groups=3)
+    sched.step()
+    assert r.xlen(keys.tasks) == 3
+    control("drain")
+    # A runner of our own: take and finish everything dispatched so far.
+    consumer = bus.GroupConsumer(
+        r, keys.tasks, "runners", "me", kind=schemas.Task, deadletter_stream=keys.deadletter
+    )
+    for d in consumer.read(10, 100):
+        task = d.message
+        traj = schemas.Trajectory(run=run_name, task_id=task.task_id, group_id=task.group_id, sample_id=task.sample_id,
+                                  index=task.index, group_size=task.group_size, attempt=task.attempt,
+                                  runner_id="me", status="ok", reward=1.0)  # fmt: skip
+        bus.publish(r, keys.trajectories, traj)
+        consumer.ack([d.entry_id])
+        Ledger(r, keys).move([task.key], "ok")
+    steps = 0
+    while sched.step():
+        steps += 1
+        assert steps < 100
+    assert r.xlen(keys.tasks) == 3  # drained: nothing new went out
+    assert [e.fields["reason"] for e in events(r, run_name, "finished")] == ["drained"]
+    assert Scheduler(config, r).cursor.draining == 1  # a restart stays drained
+
+
+@pytest.mark.slow
+def test_scheduler_killed_and_restarted_neither_loses_nor_duplicates(r, redis_url, run_name, tmp_path, procs):
+    rows = [{"id": f"s{i}", "sleep": 0.05} for i in range(40)]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    procs.start("runner", "--agent", "runner_agents:trivial", "--concurrency", "8")
+    args = ("--dataset", str(data), "--group-size", "3")
+    env = {"SQUALL_SCHEDULER__MAX_INFLIGHT_GROUPS": "3"}
+    rng = random.Random(0)
+    keys = Keys(run_name)
+    kills = 0
+    while True:
+        sched = procs.start("scheduler", *args, **env)
+        try:
+            rc = sched.wait(rng.uniform(0.8, 2.0))
+            break  # finished on its own
+        except Exception:
+            sched.send_signal(signal.SIGKILL)
+            sched.wait(5)
+            kills += 1
+            assert kills < 30
+    assert rc == 0 and kills >= 2
+    sent = tasks(r, run_name)
+    assert len(sent) == 120 and len({t.key for t in sent}) == 120  # nothing dispatched twice
+    assert sorted({t.sample_id for t in sent}) == sorted(f"s{i}" for i in range(40))
+    time.sleep(0.2)
+    trajs = trajectories(r, run_name)
+    assert len(trajs) == 120 and len({t.key for t in trajs}) == 120
+    assert Ledger(r, keys).counts() == {"dispatched": 120, "ok": 120}
+    assert r.xpending(keys.trajectories, "scheduler")["pending"] == 0
