@@ -30,7 +30,7 @@ def make_config(redis_url, run, dataset, **scheduler):
 
 @pytest.fixture
 def procs(redis_url, run_name, tmp_path):
-    p = Procs(redis_url, run_name, tmp_path, SQUALL_RUNNER__LEASE_S="1")
+    p = Procs(redis_url, run_name, tmp_path, SQUALL_RUNNER__LEASE_S="1", SQUALL_RUNNER__GRACE_S="1")
     yield p
     p.stop_all()
 
