@@ -84,7 +84,7 @@ class SyntheticRun:
         self.ledger.move([t.key for t in tasks], "pending", allowed_from=["new"])
         deliveries = self.runners.read(4, block_ms=100)
         self.ledger.move([d.message.key for d in deliveries], "running")
-        rewards = [0.2 + 0.1 * self.group + 0.05 * i for i in range(4)]
+        rewards = [0.2 + 0.1 * self.group + 0.05 * d.message.index for d in deliveries]
         for delivery, reward in zip(deliveries, rewards, strict=True):
             bus.publish(self.r, self.keys.trajectories, _trajectory(delivery.message, reward))
             self.ledger.move([delivery.message.key], "ok")

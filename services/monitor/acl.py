@@ -46,9 +46,8 @@ ACL_FILE = "users.acl"
 CONNECTION = (
     "ping", "echo", "hello", "select", "reset", "quit",
     "client|setname", "client|getname", "client|id",
-    "multi", "exec", "discard",
-    "script|load", "script|exists",
 )  # fmt: skip
+WRITER_KEYLESS = ("multi", "exec", "discard", "script|load", "script|exists")  # not for the read-only monitor
 
 # Command sets, named by what they are for.
 STREAM_READ = ("xlen", "xrange", "xrevrange", "xread", "xinfo|stream")
@@ -144,7 +143,7 @@ def rules_for(service: str, keys: Keys) -> list[str]:
     """The ACL rules (root grant first, then selectors) of one service user, without the password."""
     grants = (*MATRIX[service], *(_COMMON_GRANTS if service != "monitor" else ()))
     parts = ["on", "resetchannels", "resetkeys", "-@all"]
-    parts += [f"+{c}" for c in CONNECTION]
+    parts += [f"+{c}" for c in (*CONNECTION, *(WRITER_KEYLESS if service != "monitor" else ()))]
     for grant in grants:
         commands = " ".join(f"+{c}" for c in _unique(grant.commands))
         prefix = "~" if grant.write else "%R~"
