@@ -85,8 +85,9 @@ class Engine(abc.ABC):
         """Serve the safetensors state dict at `path` as `version`, between requests."""
 
     def stats(self) -> dict[str, int]:
-        """Queue gauges for /metrics: `running` and `waiting` sequences."""
-        return {"running": 0, "waiting": 0}
+        """For /metrics: `running` sequences, `waiting` requests, and running totals of
+        `forward_passes` and `sampled_tokens` (their ratio is the mean batch size)."""
+        return {"running": 0, "waiting": 0, "forward_passes": 0, "sampled_tokens": 0}
 
 
 def make_engine(config: RunConfig, model_dir: str) -> Engine:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
 
 class InferenceMetrics:
@@ -51,3 +52,23 @@ class InferenceMetrics:
     def watch_engine(self, stats: Callable[[], dict[str, int]]) -> None:
         self.running.set_function(lambda: stats()["running"])
         self.waiting.set_function(lambda: stats()["waiting"])
+        self.registry.register(_EngineTotals(stats))
+
+
+class _EngineTotals:
+    """The engine's own running totals, read at scrape time."""
+
+    def __init__(self, stats: Callable[[], dict[str, int]]) -> None:
+        self.stats = stats
+
+    def collect(self):
+        now = self.stats()
+        forwards = CounterMetricFamily(
+            "squall_inference_forward_passes", "Model forward passes (prefill or decode)"
+        )
+        forwards.add_metric([], now["forward_passes"])
+        tokens = CounterMetricFamily(
+            "squall_inference_batched_tokens", "Tokens sampled by those forward passes"
+        )
+        tokens.add_metric([], now["sampled_tokens"])
+        return [forwards, tokens]

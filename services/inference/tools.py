@@ -15,8 +15,9 @@ the blocks is the message content. A block that is not valid JSON stays in the c
 
 tool_choice: "none" hides the tools from the prompt; "auto" (default) lets the model decide;
 "required" and {"type": "function", "function": {"name": N}} make the model call one by
-prefilling `<tool_call>\\n` (plus `{"name": "N", "arguments": ` for a named function) at the
-start of the assistant turn. Those prefilled tokens belong to the prompt: they appear in
+prefilling `<tool_call>\\n` (plus `{"name": "N` for a named function: cut after the name, where
+BPE pre-tokenizers split, so the model continues with its own tokens) at the start of the
+assistant turn. Those prefilled tokens belong to the prompt: they appear in
 `prompt_token_ids`, not in the response's `token_ids`.
 """
 
@@ -102,7 +103,9 @@ def forced_prefix(choice: str | None) -> str:
         return ""
     if choice == "required":
         return "<tool_call>\n"
-    return '<tool_call>\n{"name": ' + json.dumps(choice) + ', "arguments": '
+    # Cut right after the name: a Qwen/Llama-style pre-tokenizer splits there too, so the
+    # prompt's tokens are the ones the model would have written itself.
+    return '<tool_call>\n{"name": "' + choice
 
 
 def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:

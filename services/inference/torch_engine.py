@@ -105,6 +105,8 @@ class TorchEngine(Engine):
         self._pending: tuple[int, Any, concurrent.futures.Future] | None = None  # next weights
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._forwards = 0  # model forwards (prefill or decode) since start
+        self._sampled = 0  # tokens sampled since start; _sampled / _forwards is the mean batch
         self._reset_batch()
 
     # --- public side (event loop) -----------------------------------------------------
@@ -161,7 +163,12 @@ class TorchEngine(Engine):
         await asyncio.wrap_future(done)
 
     def stats(self) -> dict[str, int]:
-        return {"running": len(self._seqs), "waiting": len(self._waiting) + self._inbox.qsize()}
+        return {
+            "running": len(self._seqs),
+            "waiting": len(self._waiting) + self._inbox.qsize(),
+            "forward_passes": self._forwards,
+            "sampled_tokens": self._sampled,
+        }
 
     def _load_copy(self, path: str) -> Any:
         """A copy of the model holding the state dict at `path` (raises WeightsError)."""
@@ -321,6 +328,8 @@ class TorchEngine(Engine):
     def _finish_step(self, seqs: list[_Sequence], tokens: list[int], logprobs: list[float]) -> None:
         """Record one new token per sequence, decide who finished, hand out deltas."""
         out: dict[_Request, list[Delta]] = {}
+        self._forwards += 1
+        self._sampled += len(seqs)
         for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
             seq.ids.append(token)
             seq.logprobs.append(logprob)

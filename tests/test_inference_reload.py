@@ -1,0 +1,176 @@
+"""Hot weight reload against a real Redis: versions published while requests are in flight,
+corrupt or missing files rejected, the newest version loaded at start."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import hashlib
+import time
+
+import httpx
+import pytest
+import torch
+from inference_helpers import NodeThread, load_model, recompute_logprobs
+from squall.inference.tiny import build_tiny_model
+from squall.shared import bus, schemas
+from squall.shared.keys import Keys
+
+torch.set_num_threads(1)
+pytestmark = pytest.mark.redis
+MESSAGES = [{"role": "user", "content": "Tell me a story about apples."}]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def models(tiny_dir):
+    """Version 0 (the model directory) and version 1 (every parameter perturbed)."""
+    base = load_model(tiny_dir)
+    changed = copy.deepcopy(base)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in changed.parameters():  # tied weights appear once, so they stay tied
+            param.add_(torch.randn(param.shape, generator=gen) * 0.5)
+    return {0: base, 1: changed}
+
+
+def write_weights(run_dir, version, model) -> tuple[str, str]:
+    """As the trainer does: the full state dict, separate copies, sha256 of the file."""
+    from safetensors.torch import save_file
+
+    folder = run_dir / "weights" / f"v{version:06d}"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "model.safetensors"
+    save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, str(path))
+    return str(path), hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def publish(r, run, version, location, checksum):
+    message = schemas.WeightVersion(
+        run=run, version=version, step=version, location=location, checksum=checksum
+    )
+    bus.publish(r, Keys(run).weights, message)
+
+
+def start_node(tiny_dir, redis_url, run_name):
+    return NodeThread(
+        tiny_dir,
+        follow_weights=True,
+        node="n1",
+        run={"name": run_name, "redis_url": redis_url, "autostart_redis": False},
+    ).start()
+
+
+def wait_for(predicate, timeout_s=30.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def weight_errors(node) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(f"{node.url}/metrics").text.splitlines():
+        if line.startswith("squall_inference_weight_errors_total{"):
+            out[line.split('reason="')[1].split('"')[0]] = float(line.split()[-1])
+    return out
+
+
+@pytest.mark.slow
+def test_reload_mid_traffic_never_mixes_versions(tiny_dir, models, r, redis_url, run_name, tmp_path):
+    node = start_node(tiny_dir, redis_url, run_name)
+    try:
+        client = node.client()
+
+        def ask(_):
+            raw = client.chat.completions.with_raw_response.create(
+                model="policy", messages=MESSAGES, max_tokens=24, logprobs=True,
+                extra_body={"return_token_ids": True, "ignore_eos": True},
+            )  # fmt: skip
+            response = raw.parse()
+            c = response.choices[0]
+            version = response.model_extra["weight_version"]
+            assert raw.headers["x-squall-weight-version"] == str(version)
+            lps = [e.logprob for e in c.logprobs.content]
+            return version, c.model_extra["prompt_token_ids"], c.model_extra["token_ids"], lps
+
+        location, checksum = write_weights(tmp_path, 1, models[1])
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            futures = [pool.submit(ask, i) for i in range(8)]
+            time.sleep(0.3)  # requests are decoding now
+            publish(r, run_name, 1, location, checksum)
+            futures += [pool.submit(ask, i) for i in range(16)]
+            wait_for(lambda: httpx.get(f"{node.url}/health").json()["weight_version"] == 1)
+            futures += [pool.submit(ask, i) for i in range(4)]
+            results = [f.result() for f in futures]
+
+        versions = [v for v, *_ in results]
+        assert set(versions) == {0, 1}, versions
+        for version, prompt_ids, token_ids, logprobs in results:
+            own = recompute_logprobs(models[version], prompt_ids, token_ids)
+            other = recompute_logprobs(models[1 - version], prompt_ids, token_ids)
+            assert max(abs(a - b) for a, b in zip(logprobs, own, strict=True)) < 1e-4
+            assert max(abs(a - b) for a, b in zip(logprobs, other, strict=True)) > 1e-2
+
+        keys = Keys(run_name)
+        (entry_id, fields), *_ = r.xrange(keys.weights_applied)
+        applied = schemas.decode(fields[schemas.ENTRY_FIELD], schemas.WeightApplied)
+        assert (applied.node, applied.version) == ("n1", 1) and applied.load_s > 0
+        assert r.hget(keys.versions, "inference:n1") == b"1"
+        assert b"inference:n1" in r.hkeys(keys.heartbeats)
+    finally:
+        node.stop()
+
+
+def test_corrupt_or_missing_weights_keep_the_old_version(tiny_dir, models, r, redis_url, run_name, tmp_path):
+    node = start_node(tiny_dir, redis_url, run_name)
+    try:
+        location, checksum = write_weights(tmp_path, 1, models[1])
+        publish(r, run_name, 1, location, "0" * 64)  # wrong checksum
+        wait_for(lambda: weight_errors(node).get("checksum") == 1)
+        publish(r, run_name, 2, str(tmp_path / "nowhere.safetensors"), checksum)
+        wait_for(lambda: weight_errors(node).get("missing") == 1)
+        garbage = tmp_path / "garbage.safetensors"
+        garbage.write_bytes(b"\x00not a safetensors file" * 100)
+        publish(r, run_name, 3, str(garbage), hashlib.sha256(garbage.read_bytes()).hexdigest())
+        wait_for(lambda: weight_errors(node).get("load") == 1)
+        r.xadd(Keys(run_name).weights, {schemas.ENTRY_FIELD: b"\xc1 not msgpack"})
+        wait_for(lambda: weight_errors(node).get("message") == 1)
+
+        reply = node.client().chat.completions.create(model="policy", messages=MESSAGES, max_tokens=4)
+        assert reply.model_extra["weight_version"] == 0  # still serving, still version 0
+        assert r.xlen(Keys(run_name).weights_applied) == 0
+
+        publish(r, run_name, 4, location, checksum)  # a good file is still taken afterwards
+        wait_for(lambda: httpx.get(f"{node.url}/health").json()["weight_version"] == 4)
+        assert r.hget(Keys(run_name).versions, "inference:n1") == b"4"
+    finally:
+        node.stop()
+
+
+def test_a_starting_node_loads_the_newest_published_version(
+    tiny_dir, models, r, redis_url, run_name, tmp_path
+):
+    location, checksum = write_weights(tmp_path, 1, models[1])
+    publish(r, run_name, 1, location, checksum)
+    node = start_node(tiny_dir, redis_url, run_name)
+    try:
+        assert httpx.get(f"{node.url}/health").json()["weight_version"] == 1  # before the first request
+        reply = node.client().chat.completions.create(
+            model="policy",
+            messages=MESSAGES,
+            max_tokens=6,
+            logprobs=True,
+            extra_body={"return_token_ids": True},
+        )
+        c = reply.choices[0]
+        expected = recompute_logprobs(
+            models[1], c.model_extra["prompt_token_ids"], c.model_extra["token_ids"]
+        )
+        assert max(abs(e.logprob - x) for e, x in zip(c.logprobs.content, expected, strict=True)) < 1e-4
+    finally:
+        node.stop()

@@ -1,0 +1,232 @@
+"""The inference server end to end: a real uvicorn server on a free port, the real tiny
+model, the official openai SDK. Logprobs are checked against a plain forward pass."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+
+import httpx
+import openai
+import pytest
+import torch
+from inference_helpers import API_KEY, NodeThread, load_model, recompute_logprobs
+from squall.inference.tiny import build_tiny_model
+from transformers import AutoTokenizer
+
+torch.set_num_threads(1)
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Hello! How are you?"},
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def node(tiny_dir):
+    server = NodeThread(tiny_dir, api_key=API_KEY, max_batch=16).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def model(tiny_dir):
+    return load_model(tiny_dir)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_dir):
+    return AutoTokenizer.from_pretrained(str(tiny_dir))
+
+
+def response_text(tokenizer, token_ids, finish_reason):
+    """The documented relation: text is the decoding of token_ids without a final eos."""
+    ids = token_ids[:-1] if finish_reason == "stop" and token_ids[-1] == tokenizer.eos_token_id else token_ids
+    return tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def assert_logprobs_match(model, prompt_ids, token_ids, logprobs, tol=1e-4):
+    assert len(logprobs) == len(token_ids)
+    assert all(math.isfinite(x) for x in logprobs)
+    expected = recompute_logprobs(model, prompt_ids, token_ids)
+    assert max(abs(a - b) for a, b in zip(logprobs, expected, strict=True)) < tol
+
+
+def test_chat_returns_token_ids_logprobs_version_and_node(node, model, tokenizer):
+    raw = node.client().chat.completions.with_raw_response.create(
+        model="policy", messages=MESSAGES, max_tokens=24, logprobs=True, extra_body={"return_token_ids": True}
+    )
+    assert raw.headers["x-squall-weight-version"] == "0"
+    r = raw.parse()
+    extra = r.model_extra
+    assert extra["weight_version"] == 0 and extra["node"] == node.node.node
+    choice = r.choices[0]
+    prompt_ids, token_ids = choice.model_extra["prompt_token_ids"], choice.model_extra["token_ids"]
+    expected_prompt = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    assert prompt_ids == tokenizer.encode(expected_prompt, add_special_tokens=False)
+    assert 1 <= len(token_ids) <= 24
+    assert choice.message.content == response_text(tokenizer, token_ids, choice.finish_reason)
+    logprobs = [entry.logprob for entry in choice.logprobs.content]
+    assert_logprobs_match(model, prompt_ids, token_ids, logprobs)
+    assert r.usage.prompt_tokens == len(prompt_ids) and r.usage.completion_tokens == len(token_ids)
+
+
+def test_n_choices_differ_and_a_seed_repeats_them(node):
+    client = node.client()
+
+    def ask():
+        r = client.chat.completions.create(
+            model="policy",
+            messages=MESSAGES,
+            max_tokens=12,
+            n=3,
+            seed=1234,
+            extra_body={"return_token_ids": True},
+        )
+        return [c.model_extra["token_ids"] for c in sorted(r.choices, key=lambda c: c.index)]
+
+    first = ask()
+    assert len(first) == 3 and len({tuple(ids) for ids in first}) == 3
+    assert ask() == first
+
+
+def test_streaming_delivers_the_same_contract(node, model, tokenizer):
+    stream = node.client().chat.completions.create(
+        model="policy",
+        messages=MESSAGES,
+        max_tokens=20,
+        stream=True,
+        logprobs=True,
+        stream_options={"include_usage": True},
+        extra_body={"return_token_ids": True},
+    )
+    text, token_ids, logprobs, prompt_ids, finish, versions, usage = "", [], [], None, None, set(), None
+    for chunk in stream:
+        versions.add(chunk.model_extra["weight_version"])
+        if chunk.usage:
+            usage = chunk.usage
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            token_ids += c.model_extra["token_ids"]
+            logprobs += [e.logprob for e in c.logprobs.content]
+            prompt_ids = c.model_extra.get("prompt_token_ids", prompt_ids)
+            finish = c.finish_reason or finish
+    assert versions == {0} and finish in ("stop", "length")
+    assert text == response_text(tokenizer, token_ids, finish)
+    assert_logprobs_match(model, prompt_ids, token_ids, logprobs)
+    assert usage.completion_tokens == len(token_ids)
+
+
+def test_concurrent_requests_are_batched_and_stay_exact(node, model):
+    client = node.client()
+    prompts = [[{"role": "user", "content": "count " * (1 + 5 * i)}] for i in range(8)]
+    scrape = lambda: {  # noqa: E731
+        line.split()[0]: float(line.split()[1])
+        for line in httpx.get(f"{node.url}/metrics").text.splitlines()
+        if line.startswith("squall_inference_") and " " in line
+    }
+    before = scrape()
+
+    def ask(messages):
+        r = client.chat.completions.create(
+            model="policy", messages=messages, max_tokens=32, logprobs=True,
+            extra_body={"return_token_ids": True, "ignore_eos": True},
+        )  # fmt: skip
+        c = r.choices[0]
+        return (
+            c.model_extra["prompt_token_ids"],
+            c.model_extra["token_ids"],
+            [e.logprob for e in c.logprobs.content],
+        )
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(ask, prompts))
+    for prompt_ids, token_ids, logprobs in results:
+        assert len(token_ids) == 32  # ignore_eos
+        assert_logprobs_match(model, prompt_ids, token_ids, logprobs)
+    after = scrape()
+    forwards = (
+        after["squall_inference_forward_passes_total"] - before["squall_inference_forward_passes_total"]
+    )
+    tokens = after["squall_inference_batched_tokens_total"] - before["squall_inference_batched_tokens_total"]
+    assert tokens == 8 * 32
+    assert tokens / forwards > 2  # sequences shared forward passes
+
+
+def test_completions_with_token_ids_and_stop_strings(node, model, tokenizer):
+    client = node.client()
+    prompt_ids = tokenizer.encode("The quick brown fox", add_special_tokens=False)
+    base = client.completions.create(
+        model="policy", prompt=prompt_ids, max_tokens=40, seed=5, logprobs=1,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )  # fmt: skip
+    choice = base.choices[0]
+    assert choice.model_extra["prompt_token_ids"] == prompt_ids
+    token_ids = choice.model_extra["token_ids"]
+    assert choice.text == tokenizer.decode(token_ids, skip_special_tokens=False)
+    assert_logprobs_match(model, prompt_ids, token_ids, choice.logprobs.token_logprobs)
+    stop = choice.text[10:12]
+    cut = client.completions.create(
+        model="policy", prompt=prompt_ids, max_tokens=40, seed=5, stop=[stop],
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )  # fmt: skip
+    c = cut.choices[0]
+    assert c.finish_reason == "stop" and c.text == choice.text[: choice.text.index(stop)]
+    assert token_ids[: len(c.model_extra["token_ids"])] == c.model_extra["token_ids"]
+    assert stop in tokenizer.decode(c.model_extra["token_ids"], skip_special_tokens=False)
+
+
+BAD_REQUESTS = [
+    (dict(model="gpt-9"), 404, "model 'gpt-9' is not served here"),
+    (dict(temperature=3), 400, "temperature"),
+    (dict(top_p=0), 400, "top_p"),
+    (dict(max_tokens=0), 400, "max_tokens"),
+    (dict(max_tokens=5000), 400, "max_tokens"),
+    (dict(n=99), 400, "n is 99"),
+    (dict(messages=[{"role": "user", "content": "x " * 3000}]), 400, "context is 1024 tokens"),
+    (dict(messages=[{"role": "wizard", "content": "x"}]), 400, "role"),
+    (dict(messages=[]), 400, "messages"),
+    (dict(tools=[{"type": "function", "function": {"name": "bad name"}}]), 400, "tools[0].function.name"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": [1]}}]), 400, "parameters"),
+    (dict(tool_choice={"type": "function", "function": {"name": "f"}}), 400, "tool_choice"),
+    (dict(presence_penalty=1.0), 400, "presence_penalty is not supported"),
+]
+
+
+@pytest.mark.parametrize(("fields", "status", "message"), BAD_REQUESTS)
+def test_bad_requests_get_4xx_naming_the_problem(node, fields, status, message):
+    body = {"model": "policy", "messages": MESSAGES, "max_tokens": 4, **fields}
+    r = httpx.post(
+        f"{node.url}/v1/chat/completions", json=body, headers={"authorization": f"Bearer {API_KEY}"}
+    )
+    assert r.status_code == status, r.text
+    assert message in r.json()["error"]["message"]
+    ok = node.client().chat.completions.create(model="policy", messages=MESSAGES, max_tokens=2)
+    assert ok.choices[0].finish_reason in ("stop", "length")  # still serving
+
+
+def test_invalid_json_and_missing_key(node):
+    auth = {"authorization": f"Bearer {API_KEY}", "content-type": "application/json"}
+    r = httpx.post(f"{node.url}/v1/chat/completions", content=b'{"model": "policy",', headers=auth)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    with pytest.raises(openai.AuthenticationError):
+        node.client(api_key="wrong").chat.completions.create(model="policy", messages=MESSAGES, max_tokens=2)
+    r = httpx.post(f"{node.url}/v1/completions", json={"model": "policy", "prompt": [99999]}, headers=auth)
+    assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"]
+    assert node.client().completions.create(model="policy", prompt="hi", max_tokens=2).choices
+
+
+def test_models_health_and_metrics(node):
+    assert [m.id for m in node.client().models.list().data] == ["policy"]
+    assert httpx.get(f"{node.url}/health").json() == {
+        "status": "ok",
+        "weight_version": 0,
+        "node": node.node.node,
+    }
+    text = httpx.get(f"{node.url}/metrics").text
+    assert 'squall_inference_requests_total{endpoint="/v1/chat/completions",status="200"}' in text
+    assert "squall_inference_weight_version 0.0" in text

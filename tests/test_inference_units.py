@@ -1,0 +1,125 @@
+"""Pure parts of the inference service: sampling against its plain definition, stop strings,
+tool-call parsing and tool-schema checks."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from squall.inference.detokenize import Detokenizer
+from squall.inference.sampling import reference_sample, sample
+from squall.inference.tools import (
+    ToolError,
+    forced_prefix,
+    parse_tool_calls,
+    resolve_tool_choice,
+    validate_tools,
+)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_sample_matches_reference_row_by_row(seed):
+    gen = torch.Generator().manual_seed(seed)
+    batch, vocab = 16, 50
+    logits = torch.randn(batch, vocab, generator=gen) * 3
+    temps = torch.tensor([0.0, 0.3, 1.0, 1.7] * 4)
+    top_p = torch.tensor([1.0, 0.9, 0.5, 0.05] * 2 + [0.999, 1.0, 0.7, 0.3] * 2)
+    uniforms = torch.rand(batch, generator=gen)
+    tokens, logprobs = sample(logits, temps, top_p, uniforms)
+    for row in range(batch):
+        expected = reference_sample(logits[row], float(temps[row]), float(top_p[row]), float(uniforms[row]))
+        assert int(tokens[row]) == expected, row
+        raw = torch.log_softmax(logits[row].double(), -1)[expected]
+        assert math.isclose(float(logprobs[row]), float(raw), abs_tol=1e-5)  # temperature-1 logprob
+
+
+def test_sample_frequencies_follow_the_tempered_distribution():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(20000, 1)
+    gen = torch.Generator().manual_seed(0)
+    tokens, _ = sample(logits, torch.full((20000,), 0.5), torch.ones(20000), torch.rand(20000, generator=gen))
+    freq = torch.bincount(tokens, minlength=4).double() / 20000
+    expected = torch.softmax(logits[0].double() / 0.5, -1)
+    assert torch.allclose(freq, expected, atol=0.015)
+
+
+def _decode(ids):
+    return "".join(chr(i) for i in ids)
+
+
+def test_detokenizer_cuts_at_stop_string_and_holds_back_partial_matches():
+    detok = Detokenizer(_decode, ("END",), incremental=True)
+    pieces, stopped = [], False
+    for ch in "abcEN":
+        stopped = detok.push(ord(ch))
+        pieces.append(detok.take(final=False))
+    assert not stopped and "".join(pieces) == "abc"  # "EN" could begin "END": held back
+    assert detok.push(ord("D"))
+    assert "".join(pieces) + detok.take(final=True) == "abc"
+
+
+def test_detokenizer_final_text_is_a_full_decode():
+    detok = Detokenizer(_decode, (), incremental=False)
+    for ch in "hello":
+        detok.push(ord(ch))
+    assert detok.take(final=True) == "hello"
+
+
+def test_parse_tool_calls_into_openai_format():
+    text = 'Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "1 + 2"}}\n</tool_call>'
+    content, calls = parse_tool_calls(text)
+    assert content == "Let me compute."
+    assert calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
+    assert calls[0]["function"] == {"name": "calculator", "arguments": json.dumps({"expression": "1 + 2"})}
+
+
+def test_parse_tool_calls_leaves_broken_json_as_content():
+    text = "<tool_call>\n{not json}\n</tool_call>"
+    assert parse_tool_calls(text) == (text, [])
+    two = '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": "{\\"x\\": 1}"}'
+    content, calls = parse_tool_calls(two)
+    assert content is None and [c["function"]["name"] for c in calls] == ["a", "b"]
+    assert json.loads(calls[1]["function"]["arguments"]) == {"x": 1}
+
+
+@pytest.mark.parametrize(
+    ("tools", "message"),
+    [
+        ({"type": "function"}, "tools must be a list"),
+        ([{"type": "retrieval"}], "tools[0]: must be an object with type 'function'"),
+        ([{"type": "function"}], "tools[0].function"),
+        ([{"type": "function", "function": {"name": "has space"}}], "tools[0].function.name"),
+        (
+            [{"type": "function", "function": {"name": "f", "parameters": "x"}}],
+            "parameters: must be a JSON schema",
+        ),
+        (
+            [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}],
+            "parameters.type",
+        ),
+        (
+            [
+                {"type": "function", "function": {"name": "f"}},
+                {"type": "function", "function": {"name": "f"}},
+            ],
+            "defined twice",
+        ),
+    ],
+)
+def test_malformed_tools_are_named(tools, message):
+    with pytest.raises(ToolError, match=message.replace("[", r"\[").replace("]", r"\]").replace(".", r"\.")):
+        validate_tools(tools)
+
+
+def test_tool_choice_and_forced_prefix():
+    tools = [{"type": "function", "function": {"name": "calc"}}]
+    assert resolve_tool_choice(None, tools) == "auto" and forced_prefix("auto") == ""
+    assert resolve_tool_choice("none", tools) is None
+    assert forced_prefix(resolve_tool_choice("required", tools)) == "<tool_call>\n"
+    named = resolve_tool_choice({"type": "function", "function": {"name": "calc"}}, tools)
+    assert forced_prefix(named) == '<tool_call>\n{"name": "calc'
+    with pytest.raises(ToolError, match="not in tools"):
+        resolve_tool_choice({"type": "function", "function": {"name": "other"}}, tools)
+    with pytest.raises(ToolError, match="needs tools"):
+        resolve_tool_choice("required", None)
