@@ -104,11 +104,15 @@ MATRIX: dict[str, tuple[Grant, ...]] = {
         Grant(HASH_READ, ("versions", "heartbeats"), write=False),
     ),
     # Stateless worker: consumes `tasks` in group `runners` (read, ack, renew by script,
-    # reclaim lapsed leases) and appends trajectories. It never reads trajectories, never
-    # adds tasks, never touches the ledger.
+    # reclaim lapsed leases), appends trajectories, and moves its attempts pending -> running
+    # -> outcome in the ledger (runner.py's finish script: XPENDING/XACK on tasks, XADD on
+    # trajectories, HGET/HSET/HINCRBY on attempts and ledger, one EVALSHA over all four keys).
+    # It never reads trajectories, never adds tasks, never sees the scheduler's groups.
     "runner": (
         Grant(STREAM_CONSUME + SCRIPT, ("tasks",), write=True),
         Grant(STREAM_APPEND, ("trajectories",), write=True),
+        _LEDGER,
+        Grant(SCRIPT, ("tasks", "trajectories", "attempts", "ledger"), write=True),
         Grant(HASH_READ, ("versions",), write=False),
         Grant(STREAM_READ, ("control",), write=False),
     ),
