@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from squall.shared import schemas
+from squall.shared import bus, schemas
 from squall.shared.keys import Keys
+from squall.shared.ledger import Ledger
 
 TESTS_DIR = Path(__file__).parent
 SQUALL = [sys.executable, "-m", "squall.cli"]
@@ -94,3 +95,17 @@ def tasks(r: redis.Redis, run: str) -> list[schemas.Task]:
 def events(r: redis.Redis, run: str, name: str | None = None) -> list[schemas.Event]:
     found = [schemas.decode(f[schemas.ENTRY_FIELD]) for _, f in r.xrange(Keys(run).events)]
     return [e for e in found if name is None or e.name == name]
+
+
+def dispatch(r, run, rows, *, deadline_s=60.0):
+    """XADD one single-member task per row and put it in the ledger, as the scheduler does."""
+    keys, ledger = Keys(run), Ledger(r, Keys(run))
+    bus.ensure_group(r, keys.tasks, "runners")
+    sent = []
+    for i, row in enumerate(rows):
+        task = schemas.Task(run=run, task_id=f"g{i}:0", group_id=f"g{i}", sample_id=str(i), index=0,
+                            group_size=1, payload=row, deadline=time.time() + deadline_s)  # fmt: skip
+        bus.publish(r, keys.tasks, task)
+        ledger.move([task.key], "pending", allowed_from=("new",))
+        sent.append(task)
+    return sent

@@ -8,7 +8,7 @@ import sys
 import time
 
 import pytest
-from runner_helpers import Procs, trajectories, wait_for
+from runner_helpers import Procs, dispatch, trajectories, wait_for
 from squall.shared import bus, schemas
 from squall.shared.keys import Keys
 from squall.shared.ledger import Ledger
@@ -28,20 +28,6 @@ def procs(redis_url, run_name, tmp_path):
     )
     yield p
     p.stop_all()
-
-
-def dispatch(r, run, rows, *, deadline_s=60.0):
-    """XADD one single-member task per row and put it in the ledger, as the scheduler does."""
-    keys, ledger = Keys(run), Ledger(r, Keys(run))
-    bus.ensure_group(r, keys.tasks, "runners")
-    sent = []
-    for i, row in enumerate(rows):
-        task = schemas.Task(run=run, task_id=f"g{i}:0", group_id=f"g{i}", sample_id=str(i), index=0,
-                            group_size=1, payload=row, deadline=time.time() + deadline_s)  # fmt: skip
-        bus.publish(r, keys.tasks, task)
-        ledger.move([task.key], "pending", allowed_from=("new",))
-        sent.append(task)
-    return sent
 
 
 def settled(r, run, n):
