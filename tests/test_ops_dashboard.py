@@ -231,7 +231,7 @@ def test_dashboard_in_headless_chromium_follows_a_live_run(r, redis_url, run_nam
             assert tile("dispatched") == "28"
             assert tile("trained") == "18"
             assert tile("inflight") == "4"
-            assert tile("balanced") == "balanced"
+            assert tile("balanced") == "yes"
             assert tile("version") == "v6"
             assert tile("staleness") == "2"
             assert tile("runners") == "2 / 3"
