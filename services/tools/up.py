@@ -107,10 +107,11 @@ class Up:
         from squall.tools.procs import ServiceProcess
 
         logs = self.run_dir / "logs"
-        common = ["--run", self.keys.run, "--redis-url", self.config.run.redis_url]
+        common = ["--run", self.keys.run]
         if self.args.config:
             common = ["--config", self.args.config, *common]
-        env = {"SQUALL_RUN__DIR": str(self.run_dir)}
+        # Through the environment, not argv: a URL may hold a password, and argv is public (ps).
+        env = {"SQUALL_RUN__DIR": str(self.run_dir), "SQUALL_RUN__REDIS_URL": self.config.run.redis_url}
         ports = [
             self.args.base_port + i if self.args.base_port else free_port()
             for i in range(self.args.inference_nodes)
