@@ -72,6 +72,13 @@ def wait_for(predicate, timeout_s=30.0):
         time.sleep(0.05)
 
 
+def running_sequences(node) -> float:
+    for line in httpx.get(f"{node.url}/metrics").text.splitlines():
+        if line.startswith("squall_inference_running_sequences "):
+            return float(line.split()[-1])
+    return 0.0
+
+
 def weight_errors(node) -> dict[str, float]:
     out = {}
     for line in httpx.get(f"{node.url}/metrics").text.splitlines():
@@ -80,7 +87,6 @@ def weight_errors(node) -> dict[str, float]:
     return out
 
 
-@pytest.mark.slow
 def test_reload_mid_traffic_never_mixes_versions(tiny_dir, models, r, redis_url, run_name, tmp_path):
     node = start_node(tiny_dir, redis_url, run_name)
     try:
@@ -101,7 +107,7 @@ def test_reload_mid_traffic_never_mixes_versions(tiny_dir, models, r, redis_url,
         location, checksum = write_weights(tmp_path, 1, models[1])
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
             futures = [pool.submit(ask, i) for i in range(8)]
-            time.sleep(0.3)  # requests are decoding now
+            wait_for(lambda: running_sequences(node) > 0)  # requests are decoding now
             publish(r, run_name, 1, location, checksum)
             futures += [pool.submit(ask, i) for i in range(16)]
             wait_for(lambda: httpx.get(f"{node.url}/health").json()["weight_version"] == 1)

@@ -123,3 +123,13 @@ def test_tool_choice_and_forced_prefix():
         resolve_tool_choice({"type": "function", "function": {"name": "other"}}, tools)
     with pytest.raises(ToolError, match="needs tools"):
         resolve_tool_choice("required", None)
+
+
+def test_unknown_backend_is_named_with_the_known_ones():
+    from squall.inference.engine import make_engine
+    from squall.shared.config import load_config
+
+    config = load_config(env={})
+    object.__setattr__(config.inference, "backend", "tensorrt")  # past the config's own check
+    with pytest.raises(ValueError, match="unknown inference backend 'tensorrt'; known backends: torch, vllm"):
+        make_engine(config, "/nonexistent")

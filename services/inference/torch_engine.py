@@ -42,6 +42,8 @@ from .sampling import sample
 log = structlog.get_logger()
 
 IDLE_WAIT_S = 0.05  # how long an idle engine thread sleeps on its inbox before looking again
+ADMIT_FRACTION = 4  # admit newcomers at once when they are >= 1/4 of the running batch...
+ADMIT_AFTER_STEPS = 4  # ...or after they waited this many decode steps
 
 
 def resolve_device(name: str) -> torch.device:
@@ -105,6 +107,7 @@ class TorchEngine(Engine):
         self._pending: tuple[int, Any, concurrent.futures.Future] | None = None  # next weights
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._waited = 0  # decode steps the waiting requests have been held back
         self._forwards = 0  # model forwards (prefill or decode) since start
         self._sampled = 0  # tokens sampled since start; _sampled / _forwards is the mean batch
         self._reset_batch()
@@ -243,8 +246,15 @@ class TorchEngine(Engine):
         except queue.Empty:
             pass
         admitted: list[_Request] = []
-        if self._pending is not None:
+        if self._pending is not None or not self._waiting:
             return admitted  # drain before swapping weights
+        # Each admission costs a prefill forward that decodes nothing, so while sequences run,
+        # newcomers are gathered until they are a quarter of the batch or have waited a few steps.
+        waiting = sum(r.params.n for r in self._waiting)
+        if self._seqs and waiting * ADMIT_FRACTION < len(self._seqs) and self._waited < ADMIT_AFTER_STEPS:
+            self._waited += 1
+            return admitted
+        self._waited = 0
         room = self.section.max_batch - len(self._seqs)
         while self._waiting and (self._waiting[0].params.n <= room or (not self._seqs and not admitted)):
             request = self._waiting.popleft()

@@ -1,0 +1,168 @@
+"""Inference throughput: the squall server at concurrency 1, 8 and 32 beside plain
+`model.generate` on the same model, in the same run.
+
+    .venv/bin/python benchmarks/inference.py                 # the tiny model, CPU
+    .venv/bin/python benchmarks/inference.py --model DIR --tokens 128
+
+Every request samples exactly `--tokens` tokens (`ignore_eos`; `min_new_tokens` for
+generate), so tokens/s compare like with like. The server runs as `squall inference` in a
+subprocess with one torch thread; generate runs here with one torch thread. Targets: server
+overhead at concurrency 1 <= 10% (vs generate at batch 1), and aggregate tokens/s at
+concurrency 8 >= 3x concurrency 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+PROMPT = [{"role": "user", "content": "Tom has 12 apples and gets 7 more. How many apples does Tom have?"}]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def bench_generate(model_dir: str, tokens: int, batch: int, repeats: int) -> float:
+    """Tokens/s of model.generate sampling `tokens` tokens for `batch` copies of the prompt."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompt = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=False)
+    ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False)] * batch)
+    kwargs = dict(
+        max_new_tokens=tokens, min_new_tokens=tokens, do_sample=True, top_p=1.0, temperature=1.0, top_k=0,
+        pad_token_id=tokenizer.pad_token_id, attention_mask=torch.ones_like(ids),
+    )  # fmt: skip
+    with torch.inference_mode():
+        model.generate(ids, **kwargs)  # warm-up
+        start = time.perf_counter()
+        for _ in range(repeats):
+            out = model.generate(ids, **kwargs)
+        elapsed = time.perf_counter() - start
+    assert out.shape[1] - ids.shape[1] == tokens
+    return batch * tokens * repeats / elapsed
+
+
+async def bench_server(
+    url: str, tokens: int, concurrency: int, requests_per_worker: int
+) -> tuple[float, float]:
+    """(aggregate tokens/s, mean request latency in s) with `concurrency` clients in a loop."""
+    body = {
+        "model": "policy", "messages": PROMPT, "max_tokens": tokens, "ignore_eos": True,
+        "return_token_ids": True, "logprobs": True,
+    }  # fmt: skip
+    latencies: list[float] = []
+    async with httpx.AsyncClient(
+        base_url=url, timeout=600, limits=httpx.Limits(max_connections=64)
+    ) as client:
+        await client.post("/v1/chat/completions", json=body)  # warm-up
+
+        async def worker() -> int:
+            produced = 0
+            for _ in range(requests_per_worker):
+                t0 = time.perf_counter()
+                reply = (await client.post("/v1/chat/completions", json=body)).json()
+                latencies.append(time.perf_counter() - t0)
+                produced += len(reply["choices"][0]["token_ids"])
+            return produced
+
+        start = time.perf_counter()
+        produced = sum(await asyncio.gather(*(worker() for _ in range(concurrency))))
+        elapsed = time.perf_counter() - start
+    return produced / elapsed, sum(latencies) / len(latencies)
+
+
+def start_server(model_dir: str, port: int) -> subprocess.Popen:
+    env = {**os.environ, "SQUALL_INFERENCE__TORCH_THREADS": "1", "SQUALL_INFERENCE__MAX_BATCH": "32"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "squall.cli",
+        "inference",
+        "--model",
+        model_dir,
+        "--port",
+        str(port),
+        "--no-follow",
+    ]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.2)
+        if proc.poll() is not None:
+            raise RuntimeError("the inference server exited during start-up")
+    proc.kill()
+    raise TimeoutError("the inference server did not start within 120 s")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", help="model directory (default: build the tiny model in a temp dir)")
+    parser.add_argument("--tokens", type=int, default=64, help="tokens sampled per request")
+    parser.add_argument("--requests", type=int, default=64, help="requests per server measurement (about)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = args.model
+        if model_dir is None:
+            from squall.inference.tiny import build_tiny_model
+
+            model_dir = str(build_tiny_model(Path(tmp) / "tiny"))
+        port = free_port()
+        server = start_server(model_dir, port)
+        try:
+            rows = []
+            for concurrency in (1, 8, 32):
+                per_worker = (
+                    max(2, args.requests // concurrency) if concurrency > 1 else max(8, args.requests // 4)
+                )
+                tps, latency = asyncio.run(
+                    bench_server(f"http://127.0.0.1:{port}", args.tokens, concurrency, per_worker)
+                )
+                gen = bench_generate(model_dir, args.tokens, concurrency, repeats=3 if concurrency > 1 else 8)
+                rows.append((concurrency, tps, latency, gen))
+        finally:
+            server.terminate()
+            server.wait(30)
+
+    base = rows[0][1]
+    print(
+        f"\n{args.tokens} tokens per request, CPU, 1 torch thread; generate = model.generate at batch = concurrency"
+    )
+    print(
+        f"{'concurrency':>11} | {'server tok/s':>12} | {'x conc. 1':>9} | {'latency s':>9} | {'generate tok/s':>14} | {'server/generate':>15}"
+    )
+    print("-" * 86)
+    for concurrency, tps, latency, gen in rows:
+        print(
+            f"{concurrency:>11} | {tps:>12.1f} | {tps / base:>9.2f} | {latency:>9.3f} | {gen:>14.1f} | {tps / gen:>15.2f}"
+        )
+    overhead = rows[0][3] / rows[0][1] - 1
+    print(f"\nserver overhead at concurrency 1: {overhead * 100:+.1f}% (target <= 10%)")
+    print(f"throughput at concurrency 8 vs 1: {rows[1][1] / base:.2f}x (target >= 3x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
