@@ -93,10 +93,14 @@ def publish_dataset(r, keys: Keys, model) -> tuple[set[str], set[str]]:
     bus.publish_many(r, keys.trajectories, messages[:20])
     r.xadd(keys.trajectories, {b"m": b"\xc1not msgpack at all"})
     bus.publish_many(r, keys.trajectories, messages[20:])
+    bus.publish_many(r, keys.trajectories, [messages[3], messages[30]])  # re-published copies
     return trainable, zero_var
 
 
-def test_kill9_resume_trains_every_key_exactly_once(tmp_path, r, redis_url, run_name):
+@pytest.mark.parametrize("backend", ["torch", pytest.param("verl", marks=pytest.mark.verl)])
+def test_kill9_resume_trains_every_key_exactly_once(tmp_path, r, redis_url, run_name, backend):
+    if backend == "verl":
+        pytest.importorskip("verl")
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM
 
@@ -110,7 +114,7 @@ def test_kill9_resume_trains_every_key_exactly_once(tmp_path, r, redis_url, run_
 
     kills = 0
     for kill_after in (2, 5):  # two crashes at different points of the run
-        proc = start_trainer(config, "--max-steps", "9")
+        proc = start_trainer(config, "--max-steps", "9", "--backend", backend)
         try:
             wait_for(
                 lambda k=kill_after, p=proc: len(trained_log(run_dir)) >= k or p.poll() is not None,
@@ -125,7 +129,7 @@ def test_kill9_resume_trains_every_key_exactly_once(tmp_path, r, redis_url, run_
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    proc = start_trainer(config, "--max-steps", "9")
+    proc = start_trainer(config, "--max-steps", "9", "--backend", backend)
     try:
         rc = proc.wait(180)
     finally:

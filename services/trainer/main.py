@@ -138,6 +138,9 @@ class Trainer:
             if self.state.is_done(traj.key):
                 self.consumer.ack([delivery.entry_id])  # a durable checkpoint already covers it
                 continue
+            if traj.key in self.entry_ids or traj.key in self.pending.consumed:
+                self.consumer.ack([delivery.entry_id])  # a second copy of an attempt in flight here
+                continue
             if traj.mode != "train":
                 self.consumer.ack([delivery.entry_id])  # validation: the scheduler records it
                 continue
