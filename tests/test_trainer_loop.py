@@ -1,0 +1,69 @@
+"""The trainer loop in-process on a real Redis and a tiny model: a group completed by its
+deadline, a late member, a validation attempt, a stale group, weight versions 0 and 1."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from squall.shared import bus
+from squall.shared.keys import GROUP_TRAINER, Keys
+from squall.shared.ledger import Ledger
+from squall.shared.schemas import Trajectory, WeightVersion, decode
+from squall.trainer.main import Trainer
+from test_trainer_step import config_for, make_tiny_model, sampled_trajectory
+
+pytestmark = [pytest.mark.redis, pytest.mark.slow]
+
+
+def retag(t: Trajectory, run: str, **changes) -> Trajectory:
+    return Trajectory(**{**{f: getattr(t, f) for f in t.__struct_fields__}, "run": run, **changes})
+
+
+def test_deadline_late_val_and_stale(tmp_path, r, redis_url, run_name):
+    torch.set_num_threads(1)
+    model_path = make_tiny_model(tmp_path / "model")
+    config = config_for(tmp_path, model_path, groups_per_step=1, group_wait_s=1.0, max_staleness=0)
+    config = config.model_copy(
+        update={"run": config.run.model_copy(update={"name": run_name, "redis_url": redis_url})}
+    )
+    keys = Keys(run_name)
+    bus.ensure_group(r, keys.trajectories, GROUP_TRAINER)
+    trainer = Trainer(config)
+    model = trainer.backend.model
+    partial = [retag(sampled_trajectory(model, "a", i, float(i % 2), seed=i), run_name) for i in range(3)]
+    missing = retag(sampled_trajectory(model, "a", 3, 1.0, seed=3), run_name)
+    val = retag(sampled_trajectory(model, "v", 0, 1.0, seed=9), run_name, mode="val")
+    stale = [retag(sampled_trajectory(model, "s", i, float(i % 2), seed=20 + i), run_name) for i in range(4)]
+    bus.publish_many(r, keys.trajectories, [*partial, val])
+
+    def later():
+        deadline = time.monotonic() + 60
+        while trainer.state.step < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        bus.publish_many(r, keys.trajectories, [missing, *stale])  # version-0 turns, trainer now at 1
+        while len(trainer.pending.consumed) < 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        trainer.request_stop()
+
+    helper = threading.Thread(target=later)
+    helper.start()
+    assert trainer.run() == 0
+    helper.join()
+
+    ledger = Ledger(r, keys)
+    assert [ledger.state_of(t.key) for t in partial] == ["trained"] * 3  # trained without the 4th
+    assert ledger.state_of(missing.key) == "late"
+    assert {ledger.state_of(t.key) for t in stale} == {"filtered:stale"}
+    assert ledger.state_of(val.key) is None  # the scheduler records validation, not the trainer
+    assert r.xpending(keys.trajectories, GROUP_TRAINER)["pending"] == 0
+    assert trainer.state.step == 1 and trainer.state.version == 1
+    versions = [decode(f[b"m"], WeightVersion).version for _, f in r.xrange(keys.weights)]
+    assert versions == [0, 1]
+    metrics = [decode(f[b"m"]) for _, f in r.xrange(keys.metrics)]
+    assert len(metrics) == 1 and metrics[0].values["groups_timed_out"] == 1.0
+    assert metrics[0].values["trajectories"] == 3.0
+    assert int(r.hget(keys.versions, "trainer")) == 1
+    assert r.hexists(keys.heartbeats, "trainer:trainer")
