@@ -46,4 +46,11 @@ def main(args: argparse.Namespace) -> int:
     configure_logging("runner", config.run.name, level=config.run.log_level)
     agent = make_agent(config.runner.agent, config.runner.agent_cmd)
     r = connect(config.run.redis_url, autostart=False)
-    return asyncio.run(Runner(config, r, agent).run())
+    try:
+        import uvloop  # faster event loop for the gateway and the agents, when installed
+
+        loop_factory = uvloop.new_event_loop
+    except ImportError:
+        loop_factory = None
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        return runner.run(Runner(config, r, agent).run())

@@ -145,16 +145,21 @@ class Gateway:
         await self.client.aclose()
 
     def _build_app(self) -> FastAPI:
+        # Plain Starlette routes (request -> response): no per-call dependency resolution.
         app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
 
-        async def chat(request: Request, token: str, agent: str = "main") -> Response:
-            return await self._forward(request, token, agent, "chat/completions")
+        async def chat(request: Request) -> Response:
+            params = request.path_params
+            return await self._forward(
+                request, params["token"], params.get("agent", "main"), "chat/completions"
+            )
 
-        async def completions(request: Request, token: str, agent: str = "main") -> Response:
-            return await self._forward(request, token, agent, "completions")
+        async def completions(request: Request) -> Response:
+            params = request.path_params
+            return await self._forward(request, params["token"], params.get("agent", "main"), "completions")
 
-        async def models(token: str, agent: str = "main") -> Response:
-            if token not in self.attempts:
+        async def models(request: Request) -> Response:
+            if request.path_params["token"] not in self.attempts:
                 return _error(
                     404, "this attempt is over (or never existed): its base URL is no longer served"
                 )
@@ -162,16 +167,16 @@ class Gateway:
             data = [{"id": n, "object": "model", "created": 0, "owned_by": "squall"} for n in names]
             return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
 
-        async def health() -> Response:
+        async def health(request: Request) -> Response:
             return Response(
                 orjson.dumps({"status": "ok", "attempts": len(self.attempts)}), media_type="application/json"
             )
 
         for prefix in ("/a/{token}/v1", "/a/{token}/agent/{agent}/v1"):
-            app.add_api_route(f"{prefix}/chat/completions", chat, methods=["POST"])
-            app.add_api_route(f"{prefix}/completions", completions, methods=["POST"])
-            app.add_api_route(f"{prefix}/models", models, methods=["GET"])
-        app.add_api_route("/health", health, methods=["GET"])
+            app.router.add_route(f"{prefix}/chat/completions", chat, methods=["POST"])
+            app.router.add_route(f"{prefix}/completions", completions, methods=["POST"])
+            app.router.add_route(f"{prefix}/models", models, methods=["GET"])
+        app.router.add_route("/health", health, methods=["GET"])
         return app
 
     # --- one call --------------------------------------------------------------------------

@@ -43,6 +43,8 @@ from .agents import LLM, CommandAgent, PythonAgent, load_callable, resolve_rewar
 from .gateway import Gateway
 
 READ_BLOCK_MS = 1000  # longest XREADGROUP block: how soon the fetch loop notices a stop
+REDIS_RETRY_S = 1.0  # pause of a loop after a Redis error before it tries again
+FINISH_TRIES = 5  # attempts at publishing a result through a Redis hiccup
 
 # KEYS: tasks, trajectories, attempts, ledger. ARGV: group, consumer, entry id, trajectory
 # bytes, attempt key, new state. Returns 1 when published, 0 when the entry is no longer ours.
@@ -142,49 +144,66 @@ class Runner:
         self.r.xclaim(self.keys.tasks, GROUP_RUNNERS, self.id, 0, entry_ids, idle=idle_ms, justid=True)
         self.counts["handed_back"] += len(entry_ids)
 
+    async def _guarded(self, step, what: str) -> None:
+        """Run one loop step; a Redis outage is logged and retried, never fatal to the loop."""
+        try:
+            await step()
+        except redis.RedisError as exc:
+            self.log.warning("redis_error", loop=what, error=str(exc), retry_in_s=REDIS_RETRY_S)
+            await asyncio.sleep(REDIS_RETRY_S)
+
     async def _fetch_loop(self) -> None:
-        lease_ms = int(self.section.lease_s * 1000)
         while not self.stopping.is_set():
-            free = self.section.concurrency - len(self.running)
-            if free <= 0:
-                await asyncio.sleep(0.005)
+            await self._guarded(self._fetch_once, "fetch")
+
+    async def _fetch_once(self) -> None:
+        lease_ms = int(self.section.lease_s * 1000)
+        free = self.section.concurrency - len(self.running)
+        if free <= 0:
+            await asyncio.sleep(0.005)
+            return
+        deliveries: list[bus.Delivery] = []
+        if time.monotonic() - self._last_reclaim > self.section.lease_s / 2:
+            self._last_reclaim = time.monotonic()
+            deliveries = await asyncio.to_thread(self.consumer.reclaim, lease_ms, free)
+            self.counts["reclaimed"] += len(deliveries)
+        if not deliveries:
+            deliveries = await asyncio.to_thread(self.consumer.read, free, READ_BLOCK_MS)
+        for delivery in deliveries:
+            if self.stopping.is_set():
+                await asyncio.to_thread(self._hand_back, [delivery.entry_id])
                 continue
-            deliveries: list[bus.Delivery] = []
-            if time.monotonic() - self._last_reclaim > self.section.lease_s / 2:
-                self._last_reclaim = time.monotonic()
-                deliveries = await asyncio.to_thread(self.consumer.reclaim, lease_ms, free)
-                self.counts["reclaimed"] += len(deliveries)
-            if not deliveries:
-                deliveries = await asyncio.to_thread(self.consumer.read, free, READ_BLOCK_MS)
-            for delivery in deliveries:
-                if self.stopping.is_set():
-                    self._hand_back([delivery.entry_id])
-                    continue
-                job = asyncio.create_task(self._attempt(delivery))
-                self.running[delivery.entry_id] = Running(delivery.message, delivery.entry_id, job)
-                job.add_done_callback(lambda _, e=delivery.entry_id: self.running.pop(e, None))
+            job = asyncio.create_task(self._attempt(delivery))
+            self.running[delivery.entry_id] = Running(delivery.message, delivery.entry_id, job)
+            job.add_done_callback(lambda _, e=delivery.entry_id: self.running.pop(e, None))
 
     async def _lease_loop(self) -> None:
         while True:
             await asyncio.sleep(self.section.lease_s / 3)
-            ids = list(self.running)
-            if not ids:
-                continue
-            owned = set(await asyncio.to_thread(self.consumer.renew, ids))
-            for entry_id in ids:
-                attempt = self.running.get(entry_id)
-                if entry_id not in owned and attempt is not None:
-                    attempt.lost = True
-                    attempt.job.cancel()
-                    self.counts["lost"] += 1
-                    self.log.warning("lease_lost", task_id=attempt.task.task_id, attempt=attempt.task.attempt)
+            await self._guarded(self._renew_once, "lease")
+
+    async def _renew_once(self) -> None:
+        ids = list(self.running)
+        if not ids:
+            return
+        owned = set(await asyncio.to_thread(self.consumer.renew, ids))
+        for entry_id in ids:
+            attempt = self.running.get(entry_id)
+            if entry_id not in owned and attempt is not None:
+                attempt.lost = True
+                attempt.job.cancel()
+                self.counts["lost"] += 1
+                self.log.warning("lease_lost", task_id=attempt.task.task_id, attempt=attempt.task.attempt)
 
     async def _heartbeat_loop(self) -> None:
         while True:
-            body = {"time": time.time(), "slots": self.section.concurrency, "busy": len(self.running),
-                    "gateway_port": self.gateway.port, "pid": os.getpid(), **self.counts}  # fmt: skip
-            await asyncio.to_thread(self.r.hset, self.keys.heartbeats, f"runner:{self.id}", json.dumps(body))
+            await self._guarded(self._heartbeat_once, "heartbeat")
             await asyncio.sleep(self.section.heartbeat_s)
+
+    async def _heartbeat_once(self) -> None:
+        body = {"time": time.time(), "slots": self.section.concurrency, "busy": len(self.running),
+                "gateway_port": self.gateway.port, "pid": os.getpid(), **self.counts}  # fmt: skip
+        await asyncio.to_thread(self.r.hset, self.keys.heartbeats, f"runner:{self.id}", json.dumps(body))
 
     # --- one attempt ----------------------------------------------------------------------
     async def _attempt(self, delivery: bus.Delivery) -> None:
@@ -264,18 +283,25 @@ class Runner:
             trajectory.validate()
         except SchemaError as exc:
             trajectory = self._trajectory(delivery.message, "failed", error=f"invalid trajectory: {exc}")
-        published = await asyncio.to_thread(
-            self._finish,
-            keys=[self.keys.tasks, self.keys.trajectories, self.keys.attempts, self.keys.ledger],
-            args=[
-                GROUP_RUNNERS,
-                self.id,
-                delivery.entry_id,
-                schemas.encode(trajectory),
-                trajectory.key,
-                trajectory.status,
-            ],
-        )
+        keys = [self.keys.tasks, self.keys.trajectories, self.keys.attempts, self.keys.ledger]
+        args = [
+            GROUP_RUNNERS,
+            self.id,
+            delivery.entry_id,
+            schemas.encode(trajectory),
+            trajectory.key,
+            trajectory.status,
+        ]
+        for tries in range(1, FINISH_TRIES + 1):
+            try:
+                # Safe to repeat: once a call went through, the entry is acked and a repeat returns 0.
+                published = await asyncio.to_thread(self._finish, keys=keys, args=args)
+                break
+            except redis.ConnectionError as exc:
+                if tries == FINISH_TRIES:
+                    raise  # the entry stays pending; its lease lapses and another runner redoes it
+                self.log.warning("finish_retry", task_id=trajectory.task_id, error=str(exc), tries=tries)
+                await asyncio.sleep(REDIS_RETRY_S * tries)
         if not published:
             self.counts["lost"] += 1
             self.log.warning(
