@@ -174,7 +174,10 @@ def bench_overhead(redis_url: str, calls: int, tmp: Path) -> dict:
         inference.wait(20)
     result: dict = {"calls": calls}
     for name, values in samples.items():
-        result[f"{name}_ms"] = {"p50": round(_percentile(values, 0.5), 3), "p90": round(_percentile(values, 0.9), 3)}
+        result[f"{name}_ms"] = {
+            "p50": round(_percentile(values, 0.5), 3),
+            "p90": round(_percentile(values, 0.9), 3),
+        }
     for base in ("direct", "direct_ids"):
         diffs = [g - d for g, d in zip(samples["gateway"], samples[base], strict=True)]
         result[f"added_ms_vs_{base}"] = {"p50_of_pairs": round(statistics.median(diffs), 3)}
