@@ -23,9 +23,12 @@ def main(args: argparse.Namespace) -> int:
 
     config = config_from_args(args, trainer={"backend": args.backend, "max_steps": args.max_steps})
     configure_logging("trainer", config.run.name, level=config.run.log_level)
+    import os
+
     import torch
 
-    torch.set_num_threads(int(__import__("os").environ.get("SQUALL_TORCH_THREADS", "1")))
+    # CPU threads for torch (the default 1 suits shared machines and GPU runs)
+    torch.set_num_threads(int(os.environ.get("SQUALL_TORCH_THREADS", "1")))
     from .main import run
 
     return run(config)

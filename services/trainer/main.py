@@ -120,9 +120,9 @@ class Trainer:
                 if len(self.ready) >= self.cfg.groups_per_step:
                     self._step(self.ready[: self.cfg.groups_per_step])
                     self.ready = self.ready[self.cfg.groups_per_step :]
-        finally:
-            if self.pending.entry_ids:
-                self._commit(trained={}, version_bumped=False)  # filtered/late work seen since the last step
+            if self.pending.entry_ids:  # filtered/late work seen since the last step
+                self._commit(trained={}, version_bumped=False)
+        finally:  # an exception propagates uncommitted: a restart replays from the last checkpoint
             self._event("stopped", step=self.state.step, version=self.state.version)
             self.log.info("trainer_stopped", step=self.state.step, version=self.state.version,
                           dead_lettered=self.dead_lettered + self.consumer.dead_lettered)  # fmt: skip
