@@ -6,7 +6,8 @@
 
 Every request samples exactly `--tokens` tokens (`ignore_eos`; `min_new_tokens` for
 generate), so tokens/s compare like with like. The server runs as `squall inference` in a
-subprocess with one torch thread; generate runs here with one torch thread. Targets: server
+subprocess with one torch thread; generate runs here with one torch thread. The two alternate
+in rounds and medians are compared (the machine may be shared). Targets: server
 overhead at concurrency 1 <= 10% (vs generate at batch 1), and aggregate tokens/s at
 concurrency 8 >= 3x concurrency 1.
 """
@@ -17,6 +18,7 @@ import argparse
 import asyncio
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -119,7 +121,8 @@ def main() -> int:
     )
     parser.add_argument("--model", help="model directory (default: build the tiny model in a temp dir)")
     parser.add_argument("--tokens", type=int, default=64, help="tokens sampled per request")
-    parser.add_argument("--requests", type=int, default=64, help="requests per server measurement (about)")
+    parser.add_argument("--requests", type=int, default=128, help="requests per concurrency level (about)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating server/generate rounds (median)")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -134,14 +137,20 @@ def main() -> int:
         try:
             rows = []
             for concurrency in (1, 8, 32):
-                per_worker = (
-                    max(2, args.requests // concurrency) if concurrency > 1 else max(8, args.requests // 4)
-                )
-                tps, latency = asyncio.run(
-                    bench_server(f"http://127.0.0.1:{port}", args.tokens, concurrency, per_worker)
-                )
-                gen = bench_generate(model_dir, args.tokens, concurrency, repeats=3 if concurrency > 1 else 8)
-                rows.append((concurrency, tps, latency, gen))
+                # Server and generate alternate, `rounds` times each, and the medians are
+                # compared, so load from other processes on the machine hits both alike.
+                per_worker = max(2, args.requests // (concurrency * args.rounds))
+                if concurrency == 1:
+                    per_worker = max(4, args.requests // (4 * args.rounds))
+                server_runs, generate_runs = [], []
+                for _ in range(args.rounds):
+                    url = f"http://127.0.0.1:{port}"
+                    server_runs.append(asyncio.run(bench_server(url, args.tokens, concurrency, per_worker)))
+                    repeats = 2 if concurrency > 1 else 4
+                    generate_runs.append(bench_generate(model_dir, args.tokens, concurrency, repeats))
+                tps = statistics.median(r[0] for r in server_runs)
+                latency = statistics.median(r[1] for r in server_runs)
+                rows.append((concurrency, tps, latency, statistics.median(generate_runs)))
         finally:
             server.terminate()
             server.wait(30)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
+import socket
 import threading
 
 import structlog
@@ -37,7 +39,7 @@ class InferenceNode:
         self.model_dir = model_dir or config.model.path
         if not self.model_dir:
             raise ConfigError("no model: pass --model DIR or set model.path")
-        self.node = section.node or f"{section.host}:{section.port}"
+        self.node = section.node or f"{self._public_host()}:{section.port}"
         self.model_name = section.model_name or config.model.name
         self.metrics = InferenceMetrics()
         self.ready = threading.Event()  # set once the node accepts requests
@@ -45,10 +47,14 @@ class InferenceNode:
         self.follower = None
         self._server = None
 
+    def _public_host(self) -> str:
+        """The listen address, or this machine's name when listening on every interface."""
+        host = self.config.inference.host
+        return socket.gethostname() if host in ("0.0.0.0", "::", "") else host
+
     @property
     def url(self) -> str:
-        section = self.config.inference
-        return f"http://{section.host}:{section.port}"
+        return f"http://{self._public_host()}:{self.config.inference.port}"
 
     async def serve(self) -> None:
         import uvicorn
@@ -89,7 +95,11 @@ class InferenceNode:
                 access_log=False,
                 lifespan="off",
             )
-            self._server = uvicorn.Server(config)
+            self._server = _quiet_server_class()(config)
+            if threading.current_thread() is threading.main_thread():
+                loop = asyncio.get_running_loop()
+                for sig in (signal.SIGINT, signal.SIGTERM):  # stop listening, drain, clean up
+                    loop.add_signal_handler(sig, self.stop)
             serving = asyncio.create_task(self._server.serve())
             while not self._server.started and not serving.done():
                 await asyncio.sleep(0.01)
@@ -129,6 +139,20 @@ class InferenceNode:
         """Ask a serving node to shut down (from any thread)."""
         if self._server is not None:
             self._server.should_exit = True
+
+
+def _quiet_server_class():
+    import uvicorn
+
+    class QuietServer(uvicorn.Server):
+        """uvicorn re-raises SIGTERM after serving, which would skip the node's clean-up;
+        the node installs its own handlers instead."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            yield
+
+    return QuietServer
 
 
 def run(config: RunConfig, model_dir: str | None = None) -> int:

@@ -158,6 +158,11 @@ def create_app(
     async def api_error(_: Request, exc: ApiError) -> Response:
         return _json(exc.body(), exc.status)
 
+    @app.exception_handler(Exception)
+    async def server_error(_: Request, exc: Exception) -> Response:
+        # The engine already logged a failed forward; the client gets a JSON 500 it can retry.
+        return _json(ApiError(500, f"generation failed: {exc}").body(), 500)
+
     @app.get("/health")
     async def health() -> Response:
         return _json({"status": "ok", "weight_version": engine.weight_version, "node": node})

@@ -218,6 +218,10 @@ class TorchEngine(Engine):
                     self._reset_batch()
         for request in {seq.request for seq in self._seqs} | set(self._waiting):
             request.send(RuntimeError("the inference engine stopped"))
+        if self._pending is not None:  # nobody may wait forever for a swap that cannot happen
+            self._pending[2].set_exception(
+                WeightsError("load: the engine stopped before the new weights were served")
+            )
 
     def _step(self) -> None:
         self._drop(lambda seq: seq.request.cancelled)
