@@ -67,3 +67,45 @@ def test_deadline_late_val_and_stale(tmp_path, r, redis_url, run_name):
     assert metrics[0].values["trajectories"] == 3.0
     assert int(r.hget(keys.versions, "trainer")) == 1
     assert r.hexists(keys.heartbeats, "trainer:trainer")
+
+
+def test_resume_after_crash_between_checkpoint_and_acks(tmp_path, r, redis_url, run_name):
+    """The checkpoint of step 1 is durable but the process died before its ledger moves, acks,
+    log line and weight announcement: a restart finishes all four and trains nothing again."""
+    import json
+
+    from squall.trainer.backend import make_backend
+    from squall.trainer.checkpoint import CheckpointStore, TrainerState
+
+    torch.set_num_threads(1)
+    model_path = make_tiny_model(tmp_path / "model")
+    config = config_for(tmp_path, model_path, groups_per_step=1)
+    config = config.model_copy(
+        update={"run": config.run.model_copy(update={"name": run_name, "redis_url": redis_url})}
+    )
+    keys = Keys(run_name)
+    backend = make_backend("torch", config)
+    group = [
+        retag(sampled_trajectory(backend.model, "a", i, float(i % 2), seed=i), run_name) for i in range(4)
+    ]
+    bus.publish_many(r, keys.trajectories, group)
+    reader = bus.GroupConsumer(r, keys.trajectories, GROUP_TRAINER, "trainer", kind=Trajectory,
+                               deadletter_stream=keys.deadletter)  # fmt: skip
+    assert len(reader.read(10)) == 4  # delivered to "trainer", never acked
+    ledger = Ledger(r, keys)
+    ledger.move([t.key for t in group], "ok")
+    state = TrainerState(commit=1, step=1, version=1, trained={t.key: 1 for t in group}, done_groups=["a"])
+    CheckpointStore(tmp_path / "run" / "checkpoints").save(state, backend.save_state)
+
+    trainer = Trainer(config)
+    stopper = threading.Timer(3.0, trainer.request_stop)
+    stopper.start()
+    assert trainer.run() == 0
+    stopper.join()
+    assert {ledger.state_of(t.key) for t in group} == {"trained"} and ledger.balanced()
+    assert r.xpending(keys.trajectories, GROUP_TRAINER)["pending"] == 0
+    assert trainer.state.step == 1  # nothing trained twice
+    log = [json.loads(x) for x in (tmp_path / "run" / "trained.jsonl").read_text().splitlines()]
+    assert [(x["step"], sorted(x["keys"])) for x in log] == [(1, sorted(t.key for t in group))]
+    assert int(r.hget(keys.versions, "trainer")) == 1
+    assert (tmp_path / "run" / "weights" / "v000001" / "model.safetensors").exists()

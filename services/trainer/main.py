@@ -133,10 +133,11 @@ class Trainer:
 
     # --- intake ---------------------------------------------------------------
     def _handle(self, deliveries: list[bus.Delivery]) -> None:
+        covered: list[bus.Delivery] = []
         for delivery in deliveries:
             traj: schemas.Trajectory = delivery.message
             if self.state.is_done(traj.key):
-                self.consumer.ack([delivery.entry_id])  # a durable checkpoint already covers it
+                covered.append(delivery)  # a durable checkpoint already covers it
                 continue
             if traj.key in self.entry_ids or traj.key in self.pending.consumed:
                 self.consumer.ack([delivery.entry_id])  # a second copy of an attempt in flight here
@@ -154,6 +155,25 @@ class Trainer:
                 self._consume(delivery.entry_id, traj.key, "late")
             elif outcome == "duplicate":
                 self.consumer.ack([delivery.entry_id])  # same key twice in one open group
+        if covered:
+            self._finish_covered(covered)
+
+    def _finish_covered(self, deliveries: list[bus.Delivery]) -> None:
+        """Entries a checkpoint covers but that were not acked (a crash between the checkpoint
+        and the acks): redo the idempotent ledger moves, then ack."""
+        by_state: dict[str, list[str]] = {}
+        for delivery in deliveries:
+            key = delivery.message.key
+            reason = self.state.consumed.get(key)
+            if key in self.state.trained:
+                by_state.setdefault("trained", []).append(key)
+            elif reason == "late":
+                by_state.setdefault("late", []).append(key)
+            elif reason not in (None, "failed", "timeout", "cancelled"):
+                by_state.setdefault(f"filtered:{reason}", []).append(key)
+        for state, keys in by_state.items():
+            self.ledger.move(keys, state, allowed_from=TRAINER_FROM)
+        self.consumer.ack([d.entry_id for d in deliveries])
 
     def _dead_letter(self, delivery: bus.Delivery, traj: schemas.Trajectory, reason: str) -> None:
         bus.dead_letter(
