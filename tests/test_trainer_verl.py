@@ -68,8 +68,18 @@ def test_verl_fsdp_step_on_gpu(tmp_path):
 
     model_path = make_tiny_model(tmp_path / "model")
     backend = make_backend("verl", config_for(tmp_path, model_path, device="cuda"))
-    t = sampled_trajectory(backend.model.cpu().float(), "g", 0, 1.0, seed=0, turns=2)
-    backend.model.to("cuda")
-    metrics = backend.train_step(trajectory_to_samples(t, advantage=1.0))
+    from transformers import AutoModelForCausalLM
+
+    sampler = AutoModelForCausalLM.from_pretrained(model_path)  # a CPU copy: FSDP owns the GPU one
+    samples = []
+    for i, adv in enumerate([1.0, -1.0]):
+        samples += trajectory_to_samples(
+            sampled_trajectory(sampler, "g", i, adv, seed=i, turns=2), advantage=adv
+        )
+    metrics = backend.train_step(samples)
     assert metrics["tokens"] > 0 and metrics["grad_norm"] > 0
-    assert set(backend.weights()) == set(backend.model.state_dict())
+    assert abs(metrics["ratio_mean"] - 1.0) < 0.05  # bf16 forward vs fp32 sampler
+    weights = backend.weights()
+    assert set(weights) >= {k for k, _ in sampler.named_parameters()}
+    backend.save_state(tmp_path / "state.pt")
+    backend.load_state(tmp_path / "state.pt")

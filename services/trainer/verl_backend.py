@@ -219,7 +219,16 @@ class VerlBackend(TrainerBackend):
 
     def load_state(self, path: Path) -> None:
         state = torch.load(path, map_location="cpu", weights_only=False)
-        self.model.load_state_dict(state["model"])
+        if self.device.type == "cuda":
+            from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+            with FSDP.state_dict_type(
+                self.module, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=True)
+            ):
+                self.module.load_state_dict(state["model"])
+        else:
+            self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"]["torch"])
         np.random.set_state(state["rng"]["numpy"])
