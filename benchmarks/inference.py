@@ -7,7 +7,9 @@
 Every request samples exactly `--tokens` tokens (`ignore_eos`; `min_new_tokens` for
 generate), so tokens/s compare like with like. The server runs as `squall inference` in a
 subprocess with one torch thread; generate runs here with one torch thread. The two alternate
-in rounds and medians are compared (the machine may be shared). Targets: server
+in rounds and medians are compared (the machine may be shared); beside wall-clock tokens/s,
+tokens per CPU second of the serving process (server: read from /proc; generate: this
+process) compare the work each does per token, which other people's load barely moves. Targets: server
 overhead at concurrency 1 <= 10% (vs generate at batch 1), and aggregate tokens/s at
 concurrency 8 >= 3x concurrency 1.
 """
@@ -37,32 +39,46 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def bench_generate(model_dir: str, tokens: int, batch: int, repeats: int) -> float:
-    """Tokens/s of model.generate sampling `tokens` tokens for `batch` copies of the prompt."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process `pid` has used so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    prompt = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=False)
-    ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False)] * batch)
-    kwargs = dict(
-        max_new_tokens=tokens, min_new_tokens=tokens, do_sample=True, top_p=1.0, temperature=1.0, top_k=0,
-        pad_token_id=tokenizer.pad_token_id, attention_mask=torch.ones_like(ids),
-    )  # fmt: skip
-    with torch.inference_mode():
-        model.generate(ids, **kwargs)  # warm-up
-        start = time.perf_counter()
-        for _ in range(repeats):
-            out = model.generate(ids, **kwargs)
-        elapsed = time.perf_counter() - start
-    assert out.shape[1] - ids.shape[1] == tokens
-    return batch * tokens * repeats / elapsed
+
+class Generate:
+    """Plain `model.generate` on the same model and prompt, in this process."""
+
+    def __init__(self, model_dir: str) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        prompt = self.tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=False)
+        self.prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def run(self, tokens: int, batch: int, repeats: int) -> tuple[float, float]:
+        """(tokens per wall second, tokens per CPU second) sampling `tokens` for `batch` prompts."""
+        ids = torch.tensor([self.prompt_ids] * batch)
+        kwargs = dict(
+            max_new_tokens=tokens, min_new_tokens=tokens, do_sample=True, top_p=1.0, temperature=1.0, top_k=0,
+            pad_token_id=self.tokenizer.pad_token_id, attention_mask=torch.ones_like(ids),
+        )  # fmt: skip
+        with torch.inference_mode():
+            self.model.generate(ids, **kwargs)  # warm-up
+            wall, cpu = time.perf_counter(), time.process_time()
+            for _ in range(repeats):
+                out = self.model.generate(ids, **kwargs)
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        assert out.shape[1] - ids.shape[1] == tokens
+        produced = batch * tokens * repeats
+        return produced / wall, produced / cpu
 
 
 async def bench_server(
-    url: str, tokens: int, concurrency: int, requests_per_worker: int
-) -> tuple[float, float]:
-    """(aggregate tokens/s, mean request latency in s) with `concurrency` clients in a loop."""
+    url: str, pid: int, tokens: int, concurrency: int, requests_per_worker: int
+) -> tuple[float, float, float]:
+    """(tokens per wall second, tokens per server CPU second, mean latency s) with
+    `concurrency` clients each sending requests back to back."""
     body = {
         "model": "policy", "messages": PROMPT, "max_tokens": tokens, "ignore_eos": True,
         "return_token_ids": True, "logprobs": True,
@@ -82,10 +98,10 @@ async def bench_server(
                 produced += len(reply["choices"][0]["token_ids"])
             return produced
 
-        start = time.perf_counter()
+        wall, cpu = time.perf_counter(), process_cpu_s(pid)
         produced = sum(await asyncio.gather(*(worker() for _ in range(concurrency))))
-        elapsed = time.perf_counter() - start
-    return produced / elapsed, sum(latencies) / len(latencies)
+        wall, cpu = time.perf_counter() - wall, process_cpu_s(pid) - cpu
+    return produced / wall, produced / cpu, sum(latencies) / len(latencies)
 
 
 def start_server(model_dir: str, port: int) -> subprocess.Popen:
@@ -122,7 +138,7 @@ def main() -> int:
     parser.add_argument("--model", help="model directory (default: build the tiny model in a temp dir)")
     parser.add_argument("--tokens", type=int, default=64, help="tokens sampled per request")
     parser.add_argument("--requests", type=int, default=128, help="requests per concurrency level (about)")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating server/generate rounds (median)")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating server/generate rounds (median)")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -135,22 +151,28 @@ def main() -> int:
         port = free_port()
         server = start_server(model_dir, port)
         try:
+            generate = Generate(model_dir)
+            url = f"http://127.0.0.1:{port}"
             rows = []
             for concurrency in (1, 8, 32):
-                # Server and generate alternate, `rounds` times each, and the medians are
-                # compared, so load from other processes on the machine hits both alike.
+                # Server and generate alternate, `rounds` times each, and medians are compared,
+                # so load from other processes on the machine hits both alike.
                 per_worker = max(2, args.requests // (concurrency * args.rounds))
                 if concurrency == 1:
                     per_worker = max(4, args.requests // (4 * args.rounds))
                 server_runs, generate_runs = [], []
                 for _ in range(args.rounds):
-                    url = f"http://127.0.0.1:{port}"
-                    server_runs.append(asyncio.run(bench_server(url, args.tokens, concurrency, per_worker)))
-                    repeats = 2 if concurrency > 1 else 4
-                    generate_runs.append(bench_generate(model_dir, args.tokens, concurrency, repeats))
-                tps = statistics.median(r[0] for r in server_runs)
-                latency = statistics.median(r[1] for r in server_runs)
-                rows.append((concurrency, tps, latency, statistics.median(generate_runs)))
+                    server_runs.append(
+                        asyncio.run(bench_server(url, server.pid, args.tokens, concurrency, per_worker))
+                    )
+                    generate_runs.append(generate.run(args.tokens, concurrency, 2 if concurrency > 1 else 4))
+                rows.append(
+                    (
+                        concurrency,
+                        *(statistics.median(r[i] for r in server_runs) for i in range(3)),
+                        *(statistics.median(r[i] for r in generate_runs) for i in range(2)),
+                    )
+                )
         finally:
             server.terminate()
             server.wait(30)
@@ -159,16 +181,32 @@ def main() -> int:
     print(
         f"\n{args.tokens} tokens per request, CPU, 1 torch thread; generate = model.generate at batch = concurrency"
     )
-    print(
-        f"{'concurrency':>11} | {'server tok/s':>12} | {'x conc. 1':>9} | {'latency s':>9} | {'generate tok/s':>14} | {'server/generate':>15}"
+    print("tok/s: tokens per wall second; tok/cpu-s: tokens per CPU second of the serving process")
+    header = (
+        "concurrency",
+        "server tok/s",
+        "x conc. 1",
+        "latency s",
+        "server tok/cpu-s",
+        "generate tok/s",
+        "generate tok/cpu-s",
     )
-    print("-" * 86)
-    for concurrency, tps, latency, gen in rows:
-        print(
-            f"{concurrency:>11} | {tps:>12.1f} | {tps / base:>9.2f} | {latency:>9.3f} | {gen:>14.1f} | {tps / gen:>15.2f}"
+    print(" | ".join(header))
+    print("-" * 118)
+    for concurrency, tps, cpu_tps, latency, gen, gen_cpu in rows:
+        values = (
+            concurrency,
+            f"{tps:.0f}",
+            f"{tps / base:.2f}",
+            f"{latency:.3f}",
+            f"{cpu_tps:.0f}",
+            f"{gen:.0f}",
+            f"{gen_cpu:.0f}",
         )
-    overhead = rows[0][3] / rows[0][1] - 1
-    print(f"\nserver overhead at concurrency 1: {overhead * 100:+.1f}% (target <= 10%)")
+        print(" | ".join(str(v).rjust(len(h)) for v, h in zip(values, header, strict=True)))
+    _, tps1, cpu1, _, gen1, gen_cpu1 = rows[0]
+    print(f"\nserver overhead at concurrency 1, wall time: {(gen1 / tps1 - 1) * 100:+.1f}% (target <= 10%)")
+    print(f"server overhead at concurrency 1, CPU time:  {(gen_cpu1 / cpu1 - 1) * 100:+.1f}%")
     print(f"throughput at concurrency 8 vs 1: {rows[1][1] / base:.2f}x (target >= 3x)")
     return 0
 

@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from .detokenize import decoder_of
 from .engine import Delta, Engine, SamplingParams
 from .metrics import InferenceMetrics
 from .protocol import ApiError, ChatRequest, CompletionRequest, parse
@@ -68,17 +69,22 @@ def create_app(
     served_names = {model_name}
     metrics.watch_engine(engine.stats)
 
-    def token_text(token_id: int) -> str:
-        return tokenizer.decode([token_id], skip_special_tokens=False)
+    decode = decoder_of(tokenizer)
+    token_texts: dict[int, tuple[str, list[int]]] = {}  # token id -> (text, its UTF-8 bytes)
+
+    def token_text(token_id: int) -> tuple[str, list[int]]:
+        known = token_texts.get(token_id)
+        if known is None:
+            text = decode([token_id])
+            known = token_texts[token_id] = (text, list(text.encode()))
+        return known
 
     def logprob_entries(ids: list[int], logprobs: list[float]) -> list[dict[str, Any]]:
         entries = []
         for token_id, logprob in zip(ids, logprobs, strict=True):
-            text = token_text(token_id)
+            text, raw = token_text(token_id)
             value = logprob if math.isfinite(logprob) else LOGPROB_FLOOR
-            entries.append(
-                {"token": text, "logprob": value, "bytes": list(text.encode()), "top_logprobs": []}
-            )
+            entries.append({"token": text, "logprob": value, "bytes": raw, "top_logprobs": []})
         return entries
 
     def check_model(name: str) -> None:
