@@ -77,6 +77,10 @@ class SchedulerSection(Section):
     """Validation samples per round (0: all)."""
     max_samples: int = Field(0, ge=0)
     """Stop after this many training samples (0: the whole dataset times epochs)."""
+    hold_until_trained: bool = True
+    """A training group counts against max_inflight_groups and max_staleness until the trainer
+    has consumed it (ledger trained/filtered/late), not only until its rollouts finished; this
+    is what keeps rollouts from outrunning a slow trainer. Turn off for rollout-only runs."""
     val_group_size: int = Field(1, ge=1, le=1024)
     """Attempts per validation sample (their mean is the sample's score)."""
     poll_s: float = Field(0.5, gt=0, le=30)

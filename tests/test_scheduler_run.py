@@ -18,19 +18,24 @@ from squall.shared.ledger import Ledger
 pytestmark = pytest.mark.redis
 
 
-def make_config(redis_url, run, dataset, **scheduler):
+def make_config(redis_url, run, dataset, trainer=None, **scheduler):
+    scheduler.setdefault("hold_until_trained", False)  # no trainer in these tests
     return load_config(
         env={},
         overrides={
             "run": {"name": run, "redis_url": redis_url},
             "scheduler": {"dataset": str(dataset), **scheduler},
+            "trainer": trainer or {},
         },
     )
 
 
 @pytest.fixture
 def procs(redis_url, run_name, tmp_path):
-    p = Procs(redis_url, run_name, tmp_path, SQUALL_RUNNER__LEASE_S="1", SQUALL_RUNNER__GRACE_S="1")
+    p = Procs(
+        redis_url, run_name, tmp_path, SQUALL_RUNNER__LEASE_S="1", SQUALL_RUNNER__GRACE_S="1",
+        SQUALL_SCHEDULER__HOLD_UNTIL_TRAINED="false",
+    )  # fmt: skip
     yield p
     p.stop_all()
 
@@ -136,6 +141,55 @@ def test_validation_rounds_every_k_versions(r, redis_url, run_name, tmp_path, pr
     assert Ledger(r, keys).balanced()
 
 
+def finish_all_as_runner(r, run_name, reward=1.0):
+    """Take every dispatched task and finish it ok, as a runner would (ledger included)."""
+    keys = Keys(run_name)
+    consumer = bus.GroupConsumer(
+        r, keys.tasks, "runners", "me", kind=schemas.Task, deadletter_stream=keys.deadletter
+    )
+    done = []
+    for d in consumer.read(100, 100):
+        task = d.message
+        traj = schemas.Trajectory(run=run_name, task_id=task.task_id, group_id=task.group_id, sample_id=task.sample_id,
+                                  index=task.index, group_size=task.group_size, attempt=task.attempt,
+                                  runner_id="me", status="ok", reward=reward)  # fmt: skip
+        bus.publish(r, keys.trajectories, traj)
+        consumer.ack([d.entry_id])
+        Ledger(r, keys).move([task.key], "ok")
+        done.append(task.key)
+    return done
+
+
+def test_rolled_out_groups_are_held_until_the_trainer_consumed_them(r, redis_url, run_name, tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"id": i} for i in range(6)])
+    config = make_config(redis_url, run_name, data, group_size=2, max_inflight_groups=2, hold_until_trained=True,
+                         trainer={"groups_per_step": 1},
+                         poll_s=0.05)  # fmt: skip
+    sched = Scheduler(config, r)
+    keys, ledger = Keys(run_name), Ledger(r, Keys(run_name))
+    sched.step()
+    first = finish_all_as_runner(r, run_name)
+    assert len(first) == 4
+    for _ in range(3):
+        sched.step()
+    assert r.xlen(keys.tasks) == 4  # rolled out, but the trainer has not consumed them: held
+    assert all(g.rolled_out for g in sched.groups.values())
+    ledger.move(first[:2], "trained")
+    ledger.move(first[2:], "filtered:zero_variance")
+    sched.step()
+    assert r.xlen(keys.tasks) == 8 and len(sched.groups) == 2
+    steps = 0
+    while sched.step():  # the rest, the trainer consuming all but the last batch
+        done = finish_all_as_runner(r, run_name)
+        if r.xlen(keys.tasks) < 12:
+            ledger.move(done, "trained")
+        steps += 1
+        assert steps < 50
+    assert len(sched.groups) == 2 and all(g.rolled_out for g in sched.groups.values())  # finished, still held
+    assert [e.fields["reason"] for e in events(r, run_name, "finished")] == ["dataset_exhausted"]
+    assert ledger.balanced()
+
+
 def test_control_pause_resume_drain(r, redis_url, run_name, tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", [{"id": i} for i in range(20)])
     config = make_config(redis_url, run_name, data, group_size=1, max_inflight_groups=2, poll_s=0.05)
@@ -176,7 +230,7 @@ def test_control_pause_resume_drain(r, redis_url, run_name, tmp_path):
 
 @pytest.mark.slow
 def test_scheduler_killed_and_restarted_neither_loses_nor_duplicates(r, redis_url, run_name, tmp_path, procs):
-    rows = [{"id": f"s{i}", "sleep": 0.05} for i in range(40)]
+    rows = [{"id": f"s{i}", "sleep": 0.2} for i in range(40)]
     data = write_jsonl(tmp_path / "d.jsonl", rows)
     procs.start("runner", "--agent", "runner_agents:trivial", "--concurrency", "8")
     args = ("--dataset", str(data), "--group-size", "3")
@@ -187,7 +241,7 @@ def test_scheduler_killed_and_restarted_neither_loses_nor_duplicates(r, redis_ur
     while True:
         sched = procs.start("scheduler", *args, **env)
         try:
-            rc = sched.wait(rng.uniform(0.8, 2.0))
+            rc = sched.wait(rng.uniform(0.6, 1.5))
             break  # finished on its own
         except Exception:
             sched.send_signal(signal.SIGKILL)

@@ -91,6 +91,7 @@ class Group:
     attempts: list[int] = field(default_factory=list)  # current attempt per member
     done: list[bool] = field(default_factory=list)  # member settled (ok or dead-lettered)
     rewards: list[float | None] = field(default_factory=list)  # reward of each ok member
+    rolled_out: bool = False  # every member settled; held until the trainer consumed it
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, separators=(",", ":"))
@@ -170,14 +171,18 @@ class Scheduler:
 
     @property
     def max_inflight(self) -> int:
-        return self.cursor.max_inflight_groups or self.section.max_inflight_groups
+        limit = self.cursor.max_inflight_groups or self.section.max_inflight_groups
+        if self.section.hold_until_trained:
+            # Held groups wait for a trainer step; fewer than one step's worth would deadlock.
+            limit = max(limit, self.config.trainer.groups_per_step)
+        return limit
 
     @property
     def max_staleness(self) -> int:
         return self.cursor.max_staleness if self.cursor.max_staleness >= 0 else self.section.max_staleness
 
     def admits(self, version: int) -> bool:
-        """May one more training group go out now?"""
+        """May one more training group go out now? (Held groups count: see hold_until_trained.)"""
         train = [g for g in self.groups.values() if g.mode == "train"]
         if len(train) >= self.max_inflight:
             return False
@@ -325,19 +330,22 @@ class Scheduler:
                 attempts=self.section.max_attempts,
                 error=traj.error,
             )
+        hold = group.complete and group.mode == "train" and self.section.hold_until_trained
         if group.complete:
+            group.rolled_out = hold
             self._settle_group(pipe, group)
-        else:
+        if hold or not group.complete:
             pipe.hset(self.keys.groups, group.group_id, group.to_json())
         pipe.xack(self.keys.trajectories, GROUP_SCHEDULER, delivery.entry_id)
         pipe.execute()
-        if group.complete:
+        if group.complete and not hold:
             self.groups.pop(group.group_id, None)
-            if group.mode == "val" and not any(g.mode == "val" for g in self.groups.values()):
-                self._close_val_round()
+        if group.complete and group.mode == "val" and not any(g.mode == "val" for g in self.groups.values()):
+            self._close_val_round()
 
     def _settle_group(self, pipe: redis.client.Pipeline, group: Group) -> None:
-        pipe.hdel(self.keys.groups, group.group_id)
+        if not group.rolled_out:
+            pipe.hdel(self.keys.groups, group.group_id)
         rewards = [x for x in group.rewards if x is not None]
         mean = sum(rewards) / len(rewards) if rewards else None
         if group.mode == "val":
@@ -419,11 +427,31 @@ class Scheduler:
 
     @property
     def finished(self) -> bool:
-        return (self.exhausted or bool(self.cursor.draining)) and not self.groups
+        """Out of data (or drained) and every group rolled out; held groups are the trainer's now."""
+        rolling = any(not g.rolled_out for g in self.groups.values())
+        return (self.exhausted or bool(self.cursor.draining)) and not rolling
+
+    def release_trained(self) -> int:
+        """Drop held groups whose ok members the trainer has consumed (no attempt left in `ok`)."""
+        held = [g for g in self.groups.values() if g.rolled_out]
+        if not held:
+            return 0
+        pipe = self.r.pipeline(transaction=False)
+        for group in held:
+            pipe.hmget(
+                self.keys.attempts, [f"{group.group_id}:{i}#{a}" for i, a in enumerate(group.attempts)]
+            )
+        released = [g for g, states in zip(held, pipe.execute(), strict=True) if b"ok" not in states]
+        if released:
+            self.r.hdel(self.keys.groups, *[g.group_id for g in released])
+            for group in released:
+                self.groups.pop(group.group_id, None)
+        return len(released)
 
     def step(self) -> bool:
         """One round: control, validation, dispatch, then outcomes. False once finished."""
         self.apply_control()
+        self.release_trained()
         version = self.trainer_version()
         self.maybe_validate(version)
         while self.dispatch_train(version):
