@@ -180,3 +180,28 @@ def test_a_starting_node_loads_the_newest_published_version(
         assert max(abs(e.logprob - x) for e, x in zip(c.logprobs.content, expected, strict=True)) < 1e-4
     finally:
         node.stop()
+
+
+def test_the_follower_survives_a_redis_restart(tiny_dir, models, run_name, tmp_path):
+    from squall.shared.localredis import LocalRedis
+
+    server = LocalRedis(data_dir=tmp_path / "redis").start()
+    port = server.port
+    node = start_node(tiny_dir, server.url, run_name)
+    try:
+        server.close()  # Redis goes away under a following node
+        wait_for(
+            lambda: "squall_inference_redis_errors_total 0.0" not in httpx.get(f"{node.url}/metrics").text
+        )
+        assert node.client().chat.completions.create(model="policy", messages=MESSAGES, max_tokens=2).choices
+        server = LocalRedis(port=port, data_dir=tmp_path / "redis2").start()  # back, empty
+        import redis
+
+        r = redis.Redis.from_url(server.url)
+        location, checksum = write_weights(tmp_path, 1, models[1])
+        publish(r, run_name, 1, location, checksum)
+        wait_for(lambda: httpx.get(f"{node.url}/health").json()["weight_version"] == 1)
+        assert r.hget(Keys(run_name).versions, "inference:n1") == b"1"
+    finally:
+        node.stop()
+        server.close()

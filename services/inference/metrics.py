@@ -44,6 +44,9 @@ class InferenceMetrics:
             buckets=(0.1, 0.3, 1, 3, 10, 30, 100, 300),
             registry=r,
         )
+        self.redis_errors = Counter(
+            "squall_inference_redis_errors", "Failed reads of the weights stream (retried)", registry=r
+        )
         self.running = Gauge("squall_inference_running_sequences", "Sequences decoding now", registry=r)
         self.waiting = Gauge(
             "squall_inference_waiting_requests", "Requests waiting for a batch slot", registry=r

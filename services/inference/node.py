@@ -80,6 +80,7 @@ class InferenceNode:
                 )
                 await self.follower.catch_up()
                 follow_task = asyncio.create_task(self.follower.run(), name="weight-follower")
+                follow_task.add_done_callback(self._follower_ended)
             app = create_app(
                 engine,
                 model_name=self.model_name,
@@ -134,6 +135,14 @@ class InferenceNode:
         # The sync connect pings (and may start a local Redis); the follower then reads async.
         await asyncio.to_thread(lambda: connect(run.redis_url, autostart=run.autostart_redis).close())
         return redis.asyncio.Redis.from_url(run.redis_url, socket_timeout=SOCKET_TIMEOUT_S)
+
+    def _follower_ended(self, task: asyncio.Task) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        # A node that silently stopped following would serve stale weights forever: stop
+        # instead, so the supervisor (systemd, squall up) restarts it.
+        log.error("weights_follower_failed", error=repr(task.exception()), node=self.node)
+        self.stop()
 
     def stop(self) -> None:
         """Ask a serving node to shut down (from any thread)."""

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import redis
 import structlog
 from squall.shared import schemas
 from squall.shared.errors import SchemaError, WeightsError
@@ -27,6 +28,7 @@ from .engine import Engine
 from .metrics import InferenceMetrics
 
 BLOCK_MS = 2000  # longest XREAD wait; also the heartbeat interval
+RETRY_MIN_S, RETRY_MAX_S = 0.5, 5.0  # backoff between reads while Redis does not answer
 HASH_CHUNK = 1 << 22  # bytes read at a time when hashing a weight file
 
 log = structlog.get_logger()
@@ -63,19 +65,35 @@ class WeightFollower:
         await self.heartbeat()
 
     async def run(self) -> None:
+        backoff = RETRY_MIN_S
         while not self._stopping:
-            reply = await self.r.xread({self.keys.weights: self.last_id}, count=64, block=BLOCK_MS)
-            await self.heartbeat()
-            if not reply:
-                continue
-            newest = None
-            for entry_id, fields in reply[0][1]:
-                self.last_id = _text(entry_id)
-                message = self._decode(self.last_id, fields)
-                if message is not None and (newest is None or message.version > newest.version):
-                    newest = message
-            if newest is not None:
-                await self.apply(newest)
+            try:
+                await self._follow_once()
+                backoff = RETRY_MIN_S
+            except (redis.ConnectionError, redis.TimeoutError) as exc:  # Redis restarts: retry
+                self.metrics.redis_errors.inc()
+                log.warning(
+                    "weights_follow_retry",
+                    error=str(exc),
+                    retry_in_s=backoff,
+                    serving=self.engine.weight_version,
+                )
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, RETRY_MAX_S)
+
+    async def _follow_once(self) -> None:
+        reply = await self.r.xread({self.keys.weights: self.last_id}, count=64, block=BLOCK_MS)
+        await self.heartbeat()
+        if not reply:
+            return
+        newest = None
+        for entry_id, fields in reply[0][1]:
+            self.last_id = _text(entry_id)
+            message = self._decode(self.last_id, fields)
+            if message is not None and (newest is None or message.version > newest.version):
+                newest = message
+        if newest is not None:
+            await self.apply(newest)
 
     def stop(self) -> None:
         self._stopping = True
@@ -112,10 +130,7 @@ class WeightFollower:
         applied = schemas.WeightApplied(
             run=self.keys.run, node=self.node, version=message.version, load_s=load_s
         )
-        pipe = self.r.pipeline(transaction=False)
-        pipe.xadd(self.keys.weights_applied, {schemas.ENTRY_FIELD: schemas.encode(applied)})
-        pipe.hset(self.keys.versions, f"inference:{self.node}", message.version)
-        await pipe.execute()
+        await self._acknowledge(applied)
         self.metrics.weight_reloads.inc()
         self.metrics.reload_seconds.observe(load_s)
         self.metrics.weight_version.set(message.version)
@@ -127,6 +142,25 @@ class WeightFollower:
             load_s=round(load_s, 3),
         )
         return True
+
+    async def _acknowledge(self, applied: schemas.WeightApplied) -> None:
+        """XADD WeightApplied and set our versions field; retried while Redis is away, since
+        the stream entry that announced the version will not be read again."""
+        backoff = RETRY_MIN_S
+        while True:
+            try:
+                pipe = self.r.pipeline(transaction=False)
+                pipe.xadd(self.keys.weights_applied, {schemas.ENTRY_FIELD: schemas.encode(applied)})
+                pipe.hset(self.keys.versions, f"inference:{self.node}", applied.version)
+                await pipe.execute()
+                return
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if self._stopping:
+                    raise
+                self.metrics.redis_errors.inc()
+                log.warning("weights_ack_retry", version=applied.version, error=str(exc), retry_in_s=backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, RETRY_MAX_S)
 
     @staticmethod
     def _verify(message: schemas.WeightVersion) -> None:

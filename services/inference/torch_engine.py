@@ -41,6 +41,7 @@ from .sampling import sample
 
 log = structlog.get_logger()
 
+SWAP_DEADLINE_S = 600.0  # longest wait for running requests to finish before a version is given up
 IDLE_WAIT_S = 0.05  # how long an idle engine thread sleeps on its inbox before looking again
 ADMIT_FRACTION = 4  # admit newcomers at once when they are >= 1/4 of the running batch...
 ADMIT_AFTER_STEPS = 4  # ...or after they waited this many decode steps
@@ -105,6 +106,7 @@ class TorchEngine(Engine):
         self._inbox: queue.Queue[_Request] = queue.Queue()
         self._waiting: deque[_Request] = deque()
         self._pending: tuple[int, Any, concurrent.futures.Future] | None = None  # next weights
+        self._swap_lock = threading.Lock()  # the swap and giving up on it exclude each other
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._waited = 0  # decode steps the waiting requests have been held back
@@ -162,8 +164,18 @@ class TorchEngine(Engine):
     async def apply_weights(self, version: int, path: str) -> None:
         model = await asyncio.to_thread(self._load_copy, path)
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._pending = (version, model, done)
-        await asyncio.wrap_future(done)
+        pending = (version, model, done)
+        self._pending = pending
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(done)), SWAP_DEADLINE_S)
+        except TimeoutError:
+            with self._swap_lock:
+                if done.done():  # swapped at the last moment
+                    return
+                self._pending = None
+            raise WeightsError(
+                f"drain: running requests did not finish within {SWAP_DEADLINE_S:.0f}s; version {version} not served"
+            ) from None
 
     def stats(self) -> dict[str, int]:
         return {
@@ -234,10 +246,12 @@ class TorchEngine(Engine):
             self._decode()
 
     def _swap(self) -> None:
-        assert self._pending is not None
-        version, model, done = self._pending
-        self.model, self._version, self._pending = model, version, None
-        done.set_result(None)
+        with self._swap_lock:
+            if self._pending is None:  # given up by apply_weights
+                return
+            version, model, done = self._pending
+            self.model, self._version, self._pending = model, version, None
+            done.set_result(None)
 
     def _admit(self) -> list[_Request]:
         block = not self._seqs and not self._waiting
