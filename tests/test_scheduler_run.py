@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import random
 import signal
+import subprocess
 import time
 
 import pytest
-from runner_helpers import Procs, events, tasks, trajectories, wait_for, write_jsonl
+from runner_helpers import SQUALL, Procs, events, tasks, trajectories, wait_for, write_jsonl
 from squall.scheduler.scheduler import Scheduler
 from squall.scheduler.status import collect
 from squall.shared import bus, schemas
@@ -81,6 +83,16 @@ def test_run_to_completion_with_epochs_and_ledger(r, redis_url, run_name, tmp_pa
     status = collect(r, run_name)
     assert status["ledger"]["balanced"] and status["open_groups"] == 0
     assert status["streams"]["trajectories"]["groups"]["scheduler"]["pending"] == 0
+    assert status["runners_alive"] == 1 and [p["mode"] for p in status["rewards"]] == ["train"] * 10
+    cli = subprocess.run([*SQUALL, "status", "--run", run_name, "--redis-url", redis_url],
+                         capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert cli.returncode == 0 and "conservation OK" in cli.stdout and "dispatched=20" in cli.stdout, (
+        cli.stderr
+    )
+    r.hincrby(keys.ledger, "ok", 1)  # break conservation: status must say so and exit 1
+    cli = subprocess.run([*SQUALL, "status", "--json", "--run", run_name, "--redis-url", redis_url],
+                         capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert cli.returncode == 1 and json.loads(cli.stdout)["ledger"]["balanced"] is False
 
 
 @pytest.mark.slow

@@ -42,6 +42,7 @@ from . import dataset as ds
 
 FAILED_STATUSES = ("failed", "timeout", "cancelled")
 HEARTBEAT_EVERY_S = 2.0
+TRIM_EVERY_S = 10.0  # how often `tasks` and `trajectories` are trimmed past what every group acked
 
 
 @dataclass
@@ -136,6 +137,7 @@ class Scheduler:
             "duplicates": 0,
         }
         self._last_heartbeat = 0.0
+        self._last_trim = time.monotonic()
         self.started = time.monotonic()
         self._order: list[int] | None = None
 
@@ -416,6 +418,15 @@ class Scheduler:
         event = schemas.Event(run=self.keys.run, service="scheduler", name=name, fields=fields)
         bus.publish(self.r, self.keys.events, event, maxlen=EVENTS_MAXLEN)
 
+    def _trim(self) -> None:
+        """Drop entries of `tasks`/`trajectories` that every consumer group has acknowledged."""
+        now = time.monotonic()
+        if now - self._last_trim < TRIM_EVERY_S:
+            return
+        self._last_trim = now
+        for stream in (self.keys.tasks, self.keys.trajectories):
+            bus.trim_acknowledged(self.r, stream, self.keys.groups_of(stream))
+
     def _heartbeat(self, version: int) -> None:
         now = time.time()
         if now - self._last_heartbeat < HEARTBEAT_EVERY_S:
@@ -460,6 +471,7 @@ class Scheduler:
             self._finish()
             return False
         self._heartbeat(version)
+        self._trim()
         for delivery in self.consumer.read(count=256, block_ms=int(self.section.poll_s * 1000)):
             self.handle(delivery)
         return True
