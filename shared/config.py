@@ -83,6 +83,10 @@ class SchedulerSection(Section):
     is what keeps rollouts from outrunning a slow trainer. Turn off for rollout-only runs."""
     val_group_size: int = Field(1, ge=1, le=1024)
     """Attempts per validation sample (their mean is the sample's score)."""
+    metrics_host: str = "127.0.0.1"
+    """Where the scheduler's /health, /ready and /metrics (queue lag, ledger) listen."""
+    metrics_port: int = Field(0, ge=0, le=65535)
+    """Port of the scheduler's /health and /metrics (0: any free port)."""
     poll_s: float = Field(0.5, gt=0, le=30)
     """Longest blocking wait of the scheduler loop (trajectories, then admission checks)."""
 

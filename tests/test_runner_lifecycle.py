@@ -7,6 +7,7 @@ import signal
 import sys
 import time
 
+import httpx
 import pytest
 from runner_helpers import Procs, dispatch, trajectories, wait_for
 from squall.shared import bus, schemas
@@ -67,6 +68,10 @@ def test_malformed_task_goes_to_deadletter_and_runner_keeps_serving(r, run_name,
     assert len(dead) == 2 and all(f[b"source"] == keys.tasks.encode() for f in dead)
     assert trajectories(r, run_name)[0].reward == 0.25
     assert r.xpending(keys.tasks, "runners")["pending"] == 0
+    (beat,) = [json.loads(v) for v in r.hvals(keys.heartbeats)]
+    metrics = httpx.get(f"http://127.0.0.1:{beat['metrics_port']}/metrics", timeout=5).text
+    assert 'squall_attempts_total{status="ok"} 1.0' in metrics
+    assert 'squall_deadlettered_total{source="tasks"} 2.0' in metrics
 
 
 @pytest.mark.slow

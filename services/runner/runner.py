@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+from squall.monitor.health import start_health_server
+from squall.monitor.metrics import standard_metrics
 from squall.shared import bus, schemas
 from squall.shared.config import RunConfig
 from squall.shared.errors import AgentError, SchemaError
@@ -106,6 +108,9 @@ class Runner:
             "reclaimed": 0,
         }
         self._last_reclaim = 0.0
+        self.metrics = standard_metrics()
+        self._dead_seen = 0  # malformed task entries already counted in metrics
+        self.metrics_port = 0
 
     # --- main -----------------------------------------------------------------------------
     async def run(self) -> int:
@@ -113,9 +118,13 @@ class Runner:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
         port = await self.gateway.start()
-        self.log.info(
-            "runner_started", agent=self.agent.spec, slots=self.section.concurrency, gateway_port=port
-        )
+        health, metrics_port = start_health_server(
+            self.section.gateway_host, self.section.metrics_port, ready=lambda: not self.stopping.is_set(),
+            api_key=self.section.api_key, info=lambda: {"runner_id": self.id, "busy": len(self.running)},
+        )  # fmt: skip
+        self.metrics_port = metrics_port
+        self.log.info("runner_started", agent=self.agent.spec, slots=self.section.concurrency, gateway_port=port,
+                      metrics_port=metrics_port)  # fmt: skip
         loops = [asyncio.create_task(self._fetch_loop()), asyncio.create_task(self._lease_loop()),
                  asyncio.create_task(self._heartbeat_loop())]  # fmt: skip
         await self.stopping.wait()
@@ -134,6 +143,7 @@ class Runner:
             task.cancel()
         await asyncio.gather(*loops, return_exceptions=True)
         await self.gateway.stop()
+        health.close()
         await asyncio.to_thread(self.r.hdel, self.keys.heartbeats, f"runner:{self.id}")
         self.log.info("runner_stopped", seconds=round(time.monotonic() - started, 3), **self.counts)
         return 0
@@ -150,6 +160,7 @@ class Runner:
             await step()
         except redis.RedisError as exc:
             self.log.warning("redis_error", loop=what, error=str(exc), retry_in_s=REDIS_RETRY_S)
+            self.metrics.errors.labels(kind="redis").inc()
             await asyncio.sleep(REDIS_RETRY_S)
 
     async def _fetch_loop(self) -> None:
@@ -202,7 +213,7 @@ class Runner:
 
     async def _heartbeat_once(self) -> None:
         body = {"time": time.time(), "slots": self.section.concurrency, "busy": len(self.running),
-                "gateway_port": self.gateway.port, "pid": os.getpid(), **self.counts}  # fmt: skip
+                "gateway_port": self.gateway.port, "metrics_port": self.metrics_port, "pid": os.getpid(), **self.counts}  # fmt: skip
         await asyncio.to_thread(self.r.hset, self.keys.heartbeats, f"runner:{self.id}", json.dumps(body))
 
     # --- one attempt ----------------------------------------------------------------------
@@ -260,6 +271,21 @@ class Runner:
                                       timings=timings, final_answer=attempt.final_answer)  # fmt: skip
         await self._publish(delivery, trajectory, taken)
 
+    def _observe(self, trajectory: schemas.Trajectory, taken: float) -> None:
+        """Prometheus: the standard squall metrics (names in squall.monitor.metrics)."""
+        self.metrics.attempts.labels(status=trajectory.status).inc()
+        self.metrics.rollout_seconds.labels(mode=trajectory.mode).observe(time.time() - taken)
+        self.metrics.inflight.set(len(self.running) - 1)
+        for turn in trajectory.turns:
+            self.metrics.tokens.labels(kind="prompt").inc(len(turn.prompt_ids) // 4)
+            self.metrics.tokens.labels(kind="response").inc(len(turn.response_ids) // 4)
+            if turn.version >= 0:
+                self.metrics.weight_version.labels(role="seen").set(turn.version)
+        dead = self.consumer.dead_lettered - self._dead_seen
+        if dead:
+            self.metrics.deadlettered.labels(source="tasks").inc(dead)
+            self._dead_seen += dead
+
     def _trajectory(self, task: schemas.Task, status: str, **fields: Any) -> schemas.Trajectory:
         return schemas.Trajectory(
             run=task.run,
@@ -309,6 +335,7 @@ class Runner:
             )
             return
         self.counts[trajectory.status] = self.counts.get(trajectory.status, 0) + 1
+        self._observe(trajectory, taken)
         level = self.log.info if trajectory.status == "ok" else self.log.warning
         level("attempt_finished", task_id=trajectory.task_id, attempt=trajectory.attempt, status=trajectory.status,
               reward=trajectory.reward, turns=len(trajectory.turns), error=trajectory.error,

@@ -477,8 +477,21 @@ class Scheduler:
         return True
 
     def run(self) -> int:
+        from prometheus_client import REGISTRY
+        from squall.monitor.health import start_health_server
+        from squall.monitor.metrics import QueueCollector
+
+        REGISTRY.register(QueueCollector(self.r, self.keys))
+        health, port = start_health_server(self.section.metrics_host, self.section.metrics_port,
+                                           info=lambda: {"open_groups": len(self.groups)})  # fmt: skip
+        try:
+            return self._run(port)
+        finally:
+            health.close()
+
+    def _run(self, metrics_port: int) -> int:
         self.started = time.monotonic()
-        self.log.info("scheduler_started", train=len(self.splits.train), val=len(self.splits.val),
+        self.log.info("scheduler_started", train=len(self.splits.train), val=len(self.splits.val), metrics_port=metrics_port,
                       open_groups=len(self.groups), epoch=self.cursor.epoch, position=self.cursor.position)  # fmt: skip
         self._event("started", open_groups=len(self.groups), samples=self.cursor.samples)
         for delivery in self.consumer.read(count=10_000, own_pending=True):  # our PEL before a crash
