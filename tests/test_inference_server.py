@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
+import time
 
 import httpx
 import openai
@@ -230,3 +231,25 @@ def test_models_health_and_metrics(node):
     text = httpx.get(f"{node.url}/metrics").text
     assert 'squall_inference_requests_total{endpoint="/v1/chat/completions",status="200"}' in text
     assert "squall_inference_weight_version 0.0" in text
+
+
+def test_a_client_that_leaves_frees_its_batch_slot(node):
+    body = {"model": "policy", "messages": MESSAGES, "max_tokens": 900, "ignore_eos": True}
+    headers = {"authorization": f"Bearer {API_KEY}"}
+    before = scrape(node)["squall_inference_batched_tokens_total"]
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{node.url}/v1/chat/completions", json=body, headers=headers, timeout=0.5)
+    deadline = time.monotonic() + 10
+    while scrape(node)["squall_inference_running_sequences"] > 0:
+        assert time.monotonic() < deadline, "the abandoned request kept decoding"
+        time.sleep(0.05)
+    assert scrape(node)["squall_inference_batched_tokens_total"] - before < 900  # stopped early
+    assert node.client().chat.completions.create(model="policy", messages=MESSAGES, max_tokens=2).choices
+
+
+def scrape(node) -> dict[str, float]:
+    return {
+        line.split()[0]: float(line.split()[1])
+        for line in httpx.get(f"{node.url}/metrics").text.splitlines()
+        if line.startswith("squall_inference_") and " " in line
+    }

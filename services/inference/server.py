@@ -12,6 +12,8 @@ model's own at temperature 1 (raw logits, before temperature and top_p).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 import time
 import uuid
@@ -37,6 +39,7 @@ from .tools import (
 )
 
 VERSION_HEADER = "x-squall-weight-version"
+DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 LOGPROB_FLOOR = -1e4  # a logprob that underflowed to -inf is sent as this (JSON has no infinity)
 
 
@@ -138,27 +141,7 @@ def create_app(
         except orjson.JSONDecodeError as exc:
             raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
 
-    @app.middleware("http")
-    async def account(request: Request, call_next: Any) -> Any:
-        path = request.url.path
-        start = time.monotonic()
-        if (
-            api_key
-            and path.startswith("/v1/")
-            and request.headers.get("authorization") != f"Bearer {api_key}"
-        ):
-            response: Any = _json(
-                ApiError(401, "missing or wrong API key: send Authorization: Bearer KEY").body(), 401
-            )
-        else:
-            try:
-                response = await call_next(request)
-            except ApiError as exc:
-                response = _json(exc.body(), exc.status)
-        if path.startswith("/v1/"):
-            metrics.requests.labels(path, str(response.status_code)).inc()
-            metrics.latency.labels(path).observe(time.monotonic() - start)
-        return response
+    app.add_middleware(_Gate, api_key=api_key, metrics=metrics)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> Response:
@@ -219,7 +202,7 @@ def create_app(
                 stream, lambda first: _chat_chunks(req, meta, prompt_ids, prefix, choice, first, stream)
             )
 
-        choices, version = await _collect(stream, params.n)
+        choices, version = await _collect(stream, params.n, request)
         out = []
         for index, c in sorted(choices.items()):
             message: dict[str, Any] = {"role": "assistant", "content": c.text}
@@ -390,7 +373,7 @@ def create_app(
 
             return await _sse(stream, chunks)
 
-        choices, version = await _collect(stream, params.n)
+        choices, version = await _collect(stream, params.n, request)
         out = [
             choice_body(i, c.token_ids, c.logprobs, c.text, c.finish_reason, True)
             for i, c in sorted(choices.items())
@@ -408,6 +391,39 @@ def create_app(
     return app
 
 
+class _Gate:
+    """Pure ASGI middleware: the API key check and per-request metrics on /v1/*.
+
+    (Starlette's BaseHTTPMiddleware would hide client disconnects from the handlers, and
+    the latency here runs to the last byte of a stream, not to its first.)
+    """
+
+    def __init__(self, app: Any, *, api_key: str, metrics: InferenceMetrics) -> None:
+        self.app, self.expected, self.metrics = app, f"Bearer {api_key}".encode() if api_key else b"", metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not path.startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        start, status = time.monotonic(), [500]
+
+        async def send_status(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            if self.expected and dict(scope["headers"]).get(b"authorization") != self.expected:
+                error = ApiError(401, "missing or wrong API key: send Authorization: Bearer KEY")
+                await _json(error.body(), 401)(scope, receive, send_status)
+            else:
+                await self.app(scope, receive, send_status)
+        finally:
+            self.metrics.requests.labels(path, str(status[0])).inc()
+            self.metrics.latency.labels(path).observe(time.monotonic() - start)
+
+
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
         "prompt_tokens": prompt_tokens,
@@ -416,12 +432,27 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-async def _collect(stream: AsyncIterator[Delta], n: int) -> tuple[dict[int, _Choice], int]:
+async def _collect(stream: AsyncIterator[Delta], n: int, request: Request) -> tuple[dict[int, _Choice], int]:
+    """All deltas of a non-streaming request; its sequences are cancelled if the client leaves."""
     choices = {i: _Choice() for i in range(n)}
     version = 0
-    async for delta in stream:
-        choices[delta.index].add(delta)
-        version = delta.weight_version
+
+    async def gather() -> None:
+        nonlocal version
+        async for delta in stream:
+            choices[delta.index].add(delta)
+            version = delta.weight_version
+
+    task = asyncio.create_task(gather())
+    while not task.done():
+        await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()  # the engine drops the request's sequences at its next step
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await stream.aclose()
+            raise ApiError(499, "the client closed the connection; generation was cancelled")
+    task.result()
     return choices, version
 
 
