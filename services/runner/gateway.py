@@ -290,8 +290,8 @@ class Gateway:
                 raise ValueError("a policy reply must carry prompt_token_ids, token_ids and logprobs")
             if ids is not None and logprobs is not None and len(ids) != len(logprobs):
                 raise ValueError(f"{len(ids)} token ids but {len(logprobs)} logprobs")
-            if ids is None:
-                version = -1
+            if ids is None or logprobs is None:  # a frozen endpoint without both: text only
+                ids, logprobs, version = None, None, -1
             attempt.turns.append(
                 Turn(
                     agent=agent,

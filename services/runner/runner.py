@@ -246,16 +246,18 @@ class Runner:
         agent_started = time.perf_counter()
         deadline = asyncio.timeout(remaining)
         try:
-            async with deadline:
+            async with deadline:  # the reward function runs under the attempt's deadline too
                 returned = await self.agent(task.payload, llm)
-            if attempt.error:
-                raise AgentError(attempt.error)
-            reward = await resolve_reward(returned, llm, self.reward_fn, task.payload, attempt.final_answer)
+                if attempt.error:
+                    raise AgentError(attempt.error)
+                reward = await resolve_reward(
+                    returned, llm, self.reward_fn, task.payload, attempt.final_answer
+                )
         except TimeoutError as exc:
             if deadline.expired():
                 status, error = (
                     "timeout",
-                    f"agent ran past its deadline ({remaining:.1f}s left at start); cancelled",
+                    f"agent (or its reward) ran past the deadline ({remaining:.1f}s left at start); cancelled",
                 )
             else:
                 status, error = "failed", f"TimeoutError: {exc}"
