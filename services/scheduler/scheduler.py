@@ -449,10 +449,10 @@ class Scheduler:
             return 0
         pipe = self.r.pipeline(transaction=False)
         for group in held:
-            pipe.hmget(
-                self.keys.attempts, [f"{group.group_id}:{i}#{a}" for i, a in enumerate(group.attempts)]
-            )
-        released = [g for g, states in zip(held, pipe.execute(), strict=True) if b"ok" not in states]
+            for i, attempt in enumerate(group.attempts):  # HGETs, not HMGET: the ACL grants HGET
+                pipe.hget(self.keys.attempts, f"{group.group_id}:{i}#{attempt}")
+        states = iter(pipe.execute())
+        released = [g for g in held if b"ok" not in [next(states) for _ in g.attempts]]
         if released:
             self.r.hdel(self.keys.groups, *[g.group_id for g in released])
             for group in released:
