@@ -107,7 +107,8 @@ def test_reload_mid_traffic_never_mixes_versions(tiny_dir, models, r, redis_url,
         location, checksum = write_weights(tmp_path, 1, models[1])
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
             futures = [pool.submit(ask, i) for i in range(8)]
-            wait_for(lambda: running_sequences(node) > 0)  # requests are decoding now
+            # Requests are decoding now (or, on a fast machine, some already finished).
+            wait_for(lambda: running_sequences(node) > 0 or any(f.done() for f in futures))
             publish(r, run_name, 1, location, checksum)
             futures += [pool.submit(ask, i) for i in range(16)]
             wait_for(lambda: httpx.get(f"{node.url}/health").json()["weight_version"] == 1)

@@ -112,8 +112,15 @@ class WeightFollower:
     async def apply(self, message: schemas.WeightVersion) -> bool:
         """Verify and load one version; False (old version kept) when it cannot be used."""
         current = self.engine.weight_version
-        if message.version <= current:
+        if message.version < current:
             log.info("weights_skipped", version=message.version, serving=current)
+            return False
+        if message.version == current:
+            # Already serving it (e.g. version 0 is the model we started with): still say so,
+            # or the trainer would keep old files forever and status would show no version.
+            await self._acknowledge(
+                schemas.WeightApplied(run=self.keys.run, node=self.node, version=current, load_s=0.0)
+            )
             return False
         start = time.monotonic()
         try:
