@@ -48,6 +48,7 @@ class Attempt:
     final_answer: str | None = None  # text of the last assistant message returned
     error: str | None = None  # a contract break seen by the gateway (fails the attempt)
     llm_s: float = 0.0  # seconds spent waiting for inference
+    min_version: int = 0  # the task's min_version: nodes known to serve older weights come last
 
 
 class UpstreamError(Exception):
@@ -55,15 +56,20 @@ class UpstreamError(Exception):
 
 
 class Pool:
-    """Policy inference nodes: least in-flight calls first, ties broken by order."""
+    """Policy inference nodes: those already serving the attempt's `min_version` first (as far
+    as their last reply showed), then the fewest in-flight calls, ties broken by order."""
 
     def __init__(self, urls: list[str]) -> None:
         self.urls = [u.rstrip("/") for u in urls]
         self.inflight = dict.fromkeys(self.urls, 0)
+        self.versions = dict.fromkeys(self.urls, -1)  # weight version of each node's last reply
 
-    def pick(self, exclude: set[str] = frozenset()) -> str:  # type: ignore[assignment]
+    def behind(self, url: str, min_version: int) -> bool:
+        return 0 <= self.versions[url] < min_version
+
+    def pick(self, exclude: set[str] = frozenset(), min_version: int = 0) -> str:  # type: ignore[assignment]
         candidates = [u for u in self.urls if u not in exclude] or self.urls
-        return min(candidates, key=lambda u: self.inflight[u])
+        return min(candidates, key=lambda u: (self.behind(u, min_version), self.inflight[u]))
 
 
 def _v1(base: str) -> str:
@@ -91,8 +97,8 @@ class Gateway:
         self._serve_task: asyncio.Task | None = None
 
     # --- attempts ------------------------------------------------------------------------
-    def open(self, key: str) -> Attempt:
-        attempt = Attempt(token=secrets.token_hex(12), key=key)
+    def open(self, key: str, min_version: int = 0) -> Attempt:
+        attempt = Attempt(token=secrets.token_hex(12), key=key, min_version=min_version)
         self.attempts[attempt.token] = attempt
         return attempt
 
@@ -236,7 +242,9 @@ class Gateway:
                 base = frozen_url
             else:
                 sticky = attempt.node if attempt.node and attempt.node not in tried else None
-                base = sticky or self.pool.pick(tried)
+                if sticky and self.pool.behind(sticky, attempt.min_version):
+                    sticky = None  # a node that caught up beats the prefix cache
+                base = sticky or self.pool.pick(tried, attempt.min_version)
                 attempt.node = base
                 self.pool.inflight[base] += 1
             try:
@@ -260,6 +268,8 @@ class Gateway:
                 errors.append(f"{base}: HTTP {response.status_code} with a non-JSON body")
                 tried.add(base)
                 continue
+            if frozen_url is None and isinstance(reply, dict) and "weight_version" in reply:
+                self.pool.versions[base] = int(reply["weight_version"])
             return response.status_code, reply, base
         raise UpstreamError(
             f"inference failed {len(errors)} time(s) for route /v1/{route}: {'; '.join(errors[-3:])}"
