@@ -269,3 +269,18 @@ def test_scheduler_killed_and_restarted_neither_loses_nor_duplicates(r, redis_ur
     assert len(trajs) == 120 and len({t.key for t in trajs}) == 120
     assert Ledger(r, keys).counts() == {"dispatched": 120, "ok": 120}
     assert r.xpending(keys.trajectories, "scheduler")["pending"] == 0
+
+
+@pytest.mark.slow
+def test_scheduler_sigterm_exits_0_and_a_restart_finishes_the_run(r, redis_url, run_name, tmp_path, procs):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"id": i, "sleep": 0.2} for i in range(8)])
+    procs.start("runner", "--agent", "runner_agents:trivial", "--concurrency", "4")
+    args = ("--dataset", str(data), "--group-size", "2")
+    env = {"SQUALL_SCHEDULER__MAX_INFLIGHT_GROUPS": "2"}
+    sched = procs.start("scheduler", *args, **env)
+    wait_for(lambda: len(trajectories(r, run_name)) >= 2, 30, "some trajectories")
+    sched.send_signal(signal.SIGTERM)
+    assert sched.wait(10) == 0
+    assert len(events(r, run_name, "stopped")) == 1 and not events(r, run_name, "finished")
+    assert procs.start("scheduler", *args, **env).wait(60) == 0
+    assert Ledger(r, Keys(run_name)).counts() == {"dispatched": 16, "ok": 16}

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import time
 from dataclasses import dataclass, field
@@ -496,8 +497,18 @@ class Scheduler:
         self._event("started", open_groups=len(self.groups), samples=self.cursor.samples)
         for delivery in self.consumer.read(count=10_000, own_pending=True):  # our PEL before a crash
             self.handle(delivery)
-        while self.step():
+        stop = {"signal": 0}
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, _frame: stop.update(signal=signum))
+        while not stop["signal"] and self.step():
             pass
+        if stop["signal"]:
+            # Everything is already in Redis (each step is one transaction): a restart resumes here.
+            self.r.hdel(self.keys.heartbeats, f"scheduler:{self.id}")
+            self._event("stopped", signal=stop["signal"], open_groups=len(self.groups))
+            self.log.info(
+                "scheduler_stopped", signal=stop["signal"], open_groups=len(self.groups), **self.counts
+            )
         return 0
 
     def _finish(self) -> None:
