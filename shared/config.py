@@ -87,6 +87,9 @@ class SchedulerSection(Section):
     """Where the scheduler's /health, /ready and /metrics (queue lag, ledger) listen."""
     metrics_port: int = Field(0, ge=0, le=65535)
     """Port of the scheduler's /health and /metrics (0: any free port)."""
+    standby_after_s: float = Field(10.0, gt=0)
+    """A scheduler started while another one's heartbeat is younger than this stands by, and
+    takes the lead once it is older (the other died); heartbeats come every third of it."""
     poll_s: float = Field(0.5, gt=0, le=30)
     """Longest blocking wait of the scheduler loop (trajectories, then admission checks)."""
 

@@ -9,7 +9,7 @@ import subprocess
 import time
 
 import pytest
-from runner_helpers import SQUALL, Procs, events, tasks, trajectories, wait_for, write_jsonl
+from runner_helpers import SQUALL, Procs, events, log_of, tasks, trajectories, wait_for, write_jsonl
 from squall.scheduler.scheduler import Scheduler
 from squall.scheduler.status import collect
 from squall.shared import bus, schemas
@@ -284,3 +284,30 @@ def test_scheduler_sigterm_exits_0_and_a_restart_finishes_the_run(r, redis_url, 
     assert len(events(r, run_name, "stopped")) == 1 and not events(r, run_name, "finished")
     assert procs.start("scheduler", *args, **env).wait(60) == 0
     assert Ledger(r, Keys(run_name)).counts() == {"dispatched": 16, "ok": 16}
+
+
+@pytest.mark.slow
+def test_standby_takes_over_from_a_dead_or_paused_leader_without_double_dispatch(
+    r, redis_url, run_name, tmp_path, procs
+):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"id": i, "sleep": 0.2} for i in range(16)])
+    procs.start("runner", "--agent", "runner_agents:trivial", "--concurrency", "4")
+    args = ("--dataset", str(data), "--group-size", "2")
+    env = {"SQUALL_SCHEDULER__MAX_INFLIGHT_GROUPS": "2", "SQUALL_SCHEDULER__STANDBY_AFTER_S": "2",
+           "SQUALL_RUN__LOG_LEVEL": "INFO"}  # fmt: skip
+    keys = Keys(run_name)
+    first = procs.start("scheduler", *args, **env)
+    wait_for(lambda: len(trajectories(r, run_name)) >= 2, 30, "the first leader at work")
+    second = procs.start("scheduler", *args, **env)
+    wait_for(lambda: "scheduler_standby" in log_of(second), 20, "the second one to stand by")
+    first.send_signal(signal.SIGSTOP)  # paused, not dead: its heartbeat goes stale
+    try:
+        wait_for(lambda: "scheduler_leading" in log_of(second), 20, "the standby to take the lead")
+    finally:
+        first.send_signal(signal.SIGCONT)  # wakes up, sees the newer leader epoch, stands by
+    wait_for(lambda: "scheduler_lost_lead" in log_of(first), 20, "the old leader to step down")
+    assert second.wait(60) == 0 and first.wait(30) == 0  # the old one exits once the run is finished
+    sent = tasks(r, run_name)
+    assert len(sent) == 32 and len({t.key for t in sent}) == 32
+    assert Ledger(r, keys).counts() == {"dispatched": 32, "ok": 32}
+    assert len(events(r, run_name, "finished")) == 1

@@ -42,7 +42,8 @@ from squall.shared.logs import get_logger
 from . import dataset as ds
 
 FAILED_STATUSES = ("failed", "timeout", "cancelled")
-HEARTBEAT_EVERY_S = 2.0
+HEARTBEAT_EVERY_S = 2.0  # at most; a third of standby_after_s when that is shorter
+LEADER_FIELD = "leader_epoch"  # field of Keys.scheduler_state: bumped by each scheduler taking the lead
 TRIM_EVERY_S = 10.0  # how often `tasks` and `trajectories` are trimmed past what every group acked
 
 
@@ -63,6 +64,7 @@ class Cursor:
     draining: int = 0
     max_inflight_groups: int = 0  # limits as changed by Control (0: the config's)
     max_staleness: int = -1  # (-1: the config's)
+    finished: int = 0  # 1 once a scheduler finished the run (a standby then just exits)
 
     @classmethod
     def load(cls, r: redis.Redis, keys: Keys) -> Cursor:
@@ -116,10 +118,12 @@ class Scheduler:
         self.log = get_logger(component="scheduler")
         self.id = f"{socket.gethostname()}-{os.getpid()}"
         self.splits = self._load_data()
-        self.cursor = Cursor.load(r, self.keys)
-        self.groups: dict[str, Group] = {
-            k.decode(): Group.from_json(v) for k, v in r.hgetall(self.keys.groups).items()
-        }
+        self.cursor = Cursor()
+        self.groups: dict[str, Group] = {}
+        self._order: list[int] | None = None
+        self.token: int | None = None  # leader epoch once run() took the lead (None: not checked)
+        self.lost_lead = False  # step() saw a newer leader epoch
+        self._load_state()
         self.consumer = bus.GroupConsumer(
             r,
             self.keys.trajectories,
@@ -140,7 +144,68 @@ class Scheduler:
         self._last_heartbeat = 0.0
         self._last_trim = time.monotonic()
         self.started = time.monotonic()
-        self._order: list[int] | None = None
+
+    def _load_state(self) -> None:
+        self.cursor = Cursor.load(self.r, self.keys)
+        self.groups = {k.decode(): Group.from_json(v) for k, v in self.r.hgetall(self.keys.groups).items()}
+        self._order = None
+
+    # --- leadership -----------------------------------------------------------------
+    def is_leader(self) -> bool:
+        """Still the newest scheduler to take the lead? (Always true outside run().)"""
+        if self.token is None:
+            return True
+        return int(self.r.hget(self.keys.scheduler_state, LEADER_FIELD) or 0) == self.token
+
+    def _other_schedulers(self) -> tuple[str | None, bool]:
+        """(a live other scheduler or None, whether some other one may still be around).
+
+        Fresh heartbeat: alive. A heartbeat from this host whose process is gone: dead for
+        sure (a local restart after kill -9 need not wait). Anything else stale: presumed dead,
+        but a merely paused process could wake up, so the new leader gives it time to notice.
+        """
+        now, host = time.time(), socket.gethostname()
+        live, maybe = None, False
+        for raw_name, raw in self.r.hgetall(self.keys.heartbeats).items():
+            name = raw_name.decode()
+            if not name.startswith("scheduler:") or name == f"scheduler:{self.id}":
+                continue
+            other_host, _, pid = name.removeprefix("scheduler:").rpartition("-")
+            if other_host == host and pid.isdigit() and not _pid_alive(int(pid)):
+                self.r.hdel(self.keys.heartbeats, name)
+                continue
+            try:
+                age = now - float(json.loads(raw)["time"])
+            except (ValueError, TypeError, KeyError):
+                age = float("inf")
+            if age < self.section.standby_after_s:
+                live = name
+            maybe = True
+        return live, maybe
+
+    def acquire(self, stopped) -> bool:
+        """Wait as a standby while another scheduler is alive, then take the lead: bump the
+        leader epoch, give a possibly paused former leader time to see it, load the state."""
+        waited = time.monotonic()
+        live, maybe = self._other_schedulers()
+        if live:
+            self.log.info("scheduler_standby", leader=live, takes_over_after_s=self.section.standby_after_s)
+        while live:
+            if stopped():
+                return False
+            time.sleep(0.5)
+            live, maybe = self._other_schedulers()
+        self.token = int(self.r.hincrby(self.keys.scheduler_state, LEADER_FIELD, 1))
+        self._last_heartbeat = 0.0
+        self._heartbeat(self.trainer_version())
+        if maybe:
+            time.sleep(2 * self.section.poll_s + 0.2)  # a former leader checks the epoch every step
+            if not self.is_leader():
+                return False
+        self._load_state()
+        self.log.info("scheduler_leading", leader_epoch=self.token, waited_s=round(time.monotonic() - waited, 3),
+                      open_groups=len(self.groups))  # fmt: skip
+        return True
 
     # --- data ----------------------------------------------------------------
     def _load_data(self) -> ds.Splits:
@@ -256,6 +321,8 @@ class Scheduler:
         """Dispatch the next training sample as a group; False when none may go out now."""
         if self.cursor.paused or self.cursor.draining or self.exhausted or not self.admits(version):
             return False
+        if not self.is_leader():
+            return False
         cursor = Cursor(**self.cursor.__dict__)
         sample = self.splits.train[self._epoch_order()[cursor.position]]
         group = self._new_group(cursor, sample, "train", self.section.group_size, version)
@@ -289,6 +356,11 @@ class Scheduler:
     # --- outcomes -------------------------------------------------------------------
     def handle(self, delivery: bus.Delivery) -> None:
         traj: schemas.Trajectory = delivery.message
+        if not self.is_leader():
+            # Deposed (e.g. paused past standby_after_s): our in-memory groups are stale; the
+            # entry stays pending under the shared consumer name for the leader to handle.
+            self.lost_lead = True
+            return
         group = self.groups.get(traj.group_id)
         index = traj.index
         current = group is not None and 0 <= index < group.size and group.attempts[index] == traj.attempt
@@ -430,7 +502,7 @@ class Scheduler:
 
     def _heartbeat(self, version: int) -> None:
         now = time.time()
-        if now - self._last_heartbeat < HEARTBEAT_EVERY_S:
+        if now - self._last_heartbeat < min(HEARTBEAT_EVERY_S, self.section.standby_after_s / 3):
             return
         self._last_heartbeat = now
         body = {"time": now, "version": version, "open_groups": len(self.groups), **self.counts,
@@ -462,6 +534,9 @@ class Scheduler:
 
     def step(self) -> bool:
         """One round: control, validation, dispatch, then outcomes. False once finished."""
+        if not self.is_leader():
+            self.lost_lead = True
+            return False
         self.apply_control()
         self.release_trained()
         version = self.trainer_version()
@@ -473,9 +548,12 @@ class Scheduler:
             return False
         self._heartbeat(version)
         self._trim()
-        for delivery in self.consumer.read(count=256, block_ms=int(self.section.poll_s * 1000)):
+        # Entries still pending under our (shared) consumer name were left by a crash or by a
+        # deposed leader that read them after losing the lead: handling is idempotent.
+        left = self.consumer.read(count=256, own_pending=True)
+        for delivery in left or self.consumer.read(count=256, block_ms=int(self.section.poll_s * 1000)):
             self.handle(delivery)
-        return True
+        return not self.lost_lead
 
     def run(self) -> int:
         from prometheus_client import REGISTRY
@@ -491,29 +569,57 @@ class Scheduler:
             health.close()
 
     def _run(self, metrics_port: int) -> int:
-        self.started = time.monotonic()
-        self.log.info("scheduler_started", train=len(self.splits.train), val=len(self.splits.val), metrics_port=metrics_port,
-                      open_groups=len(self.groups), epoch=self.cursor.epoch, position=self.cursor.position)  # fmt: skip
-        self._event("started", open_groups=len(self.groups), samples=self.cursor.samples)
-        for delivery in self.consumer.read(count=10_000, own_pending=True):  # our PEL before a crash
-            self.handle(delivery)
         stop = {"signal": 0}
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, _frame: stop.update(signal=signum))
-        while not stop["signal"] and self.step():
-            pass
-        if stop["signal"]:
-            # Everything is already in Redis (each step is one transaction): a restart resumes here.
-            self.r.hdel(self.keys.heartbeats, f"scheduler:{self.id}")
-            self._event("stopped", signal=stop["signal"], open_groups=len(self.groups))
-            self.log.info(
-                "scheduler_stopped", signal=stop["signal"], open_groups=len(self.groups), **self.counts
+
+        def stopped() -> bool:
+            return bool(stop["signal"])
+
+        while not stopped():
+            if not self.acquire(stopped):
+                continue  # stopped while standing by, or another scheduler won the race
+            if self.cursor.finished and self.finished:
+                self.log.info("scheduler_already_finished", samples=self.cursor.samples)
+                return 0
+            self.started = time.monotonic()
+            self.log.info("scheduler_started", train=len(self.splits.train), val=len(self.splits.val),
+                          metrics_port=metrics_port, open_groups=len(self.groups), epoch=self.cursor.epoch,
+                          position=self.cursor.position, leader_epoch=self.token)  # fmt: skip
+            self._event(
+                "started", open_groups=len(self.groups), samples=self.cursor.samples, leader_epoch=self.token
             )
+            for delivery in self.consumer.read(count=10_000, own_pending=True):  # left by a crash
+                self.handle(delivery)
+            self.lost_lead = False
+            while not stopped() and self.step():
+                pass
+            if self.lost_lead:
+                self.log.warning("scheduler_lost_lead", leader_epoch=self.token, **self.counts)
+                continue  # a newer scheduler leads now: stand by behind it
+            if not stopped():
+                return 0  # finished
+        # Everything is already in Redis (each step is one transaction): a restart resumes here.
+        self.r.hdel(self.keys.heartbeats, f"scheduler:{self.id}")
+        self._event("stopped", signal=stop["signal"], open_groups=len(self.groups))
+        self.log.info("scheduler_stopped", signal=stop["signal"], open_groups=len(self.groups), **self.counts)
         return 0
 
     def _finish(self) -> None:
         reason = "drained" if self.cursor.draining else "dataset_exhausted"
+        self.cursor.finished = 1
+        self.r.hset(self.keys.scheduler_state, "finished", "1")
         self._event("finished", reason=reason, samples=self.cursor.samples, **self.counts)
         self.r.hdel(self.keys.heartbeats, f"scheduler:{self.id}")
         self.log.info("scheduler_finished", reason=reason, samples=self.cursor.samples,
                       seconds=round(time.monotonic() - self.started, 3), **self.counts)  # fmt: skip
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
