@@ -81,6 +81,8 @@ class SchedulerSection(Section):
     """A training group counts against max_inflight_groups and max_staleness until the trainer
     has consumed it (ledger trained/filtered/late), not only until its rollouts finished; this
     is what keeps rollouts from outrunning a slow trainer. Turn off for rollout-only runs."""
+    val_at_end: bool = True
+    """When the training data runs out, validate the newest version once more before finishing."""
     val_group_size: int = Field(1, ge=1, le=1024)
     """Attempts per validation sample (their mean is the sample's score)."""
     metrics_host: str = "127.0.0.1"
@@ -173,6 +175,10 @@ class TrainerSection(Section):
     """Trajectories whose merged sequence is longer are filtered as overlong (unless overlong=keep)."""
     consumer: str = Field("trainer", min_length=1)
     """Stable consumer name on `trajectories`: a restart re-reads its own unacked entries."""
+    metrics_host: str = "127.0.0.1"
+    """Where the trainer's /health, /ready and /metrics (step, version, tokens/s) listen."""
+    metrics_port: int = Field(0, ge=0, le=65535)
+    """Port of the trainer's /health and /metrics (0: any free port; the heartbeat names it)."""
 
 
 class InferenceSection(Section):

@@ -114,3 +114,68 @@ def test_queue_collector_reports_lag_pending_and_ledger(r, run_name, registry):
     assert 'squall_stream_length_entries{stream="tasks"} 3.0' in text
     assert 'squall_ledger_attempts{state="pending"} 3.0' in text
     assert "squall_ledger_balanced 1.0" in text
+
+
+@pytest.mark.slow
+def test_trainer_subprocess_serves_health_ready_and_metrics(tmp_path, r, redis_url, run_name):
+    """A real trainer: its heartbeat names its metrics port; /ready once the model is loaded;
+    after a step /metrics has the step, the version (role=trainer), trained tokens and tokens/s;
+    SIGTERM exits 0."""
+    import json
+    import signal
+
+    import torch
+    from squall.shared.keys import GROUP_TRAINER
+    from test_trainer_e2e import publish_dataset, start_trainer, trained_log, write_config
+    from test_trainer_step import make_tiny_model
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    model_path = make_tiny_model(tmp_path / "model")
+    keys = Keys(run_name)
+    bus.ensure_group(r, keys.trajectories, GROUP_TRAINER)
+    publish_dataset(r, keys, AutoModelForCausalLM.from_pretrained(model_path))
+    config = write_config(tmp_path, redis_url, run_name, model_path)
+    proc = start_trainer(config)
+    try:
+        beat = wait_for(lambda: r.hget(keys.heartbeats, "trainer:trainer"), 120, "the trainer's heartbeat")
+        base = f"http://127.0.0.1:{json.loads(beat)['metrics_port']}"
+        assert httpx.get(f"{base}/ready").status_code == 200  # heartbeats start after the model loaded
+        wait_for(lambda: len(trained_log(tmp_path / "run")) >= 2, 120, "two steps")
+        health = httpx.get(f"{base}/health").json()
+        assert health["status"] == "ok" and health["step"] >= 2
+        text = httpx.get(f"{base}/metrics").text
+        samples = scrape_values(text)
+        assert samples["squall_trainer_step"] >= 2
+        assert samples['squall_weight_version{role="trainer"}'] >= 2
+        assert samples['squall_tokens_total{kind="trained"}'] > 0
+        assert samples['squall_tokens_per_second{service="trainer"}'] > 0
+        assert samples['squall_deadlettered_total{source="trajectories"}'] == 1  # the out-of-vocab one
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, proc.stderr.read().decode()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def wait_for(predicate, timeout_s: float, what: str):
+    import time
+
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def scrape_values(text: str) -> dict[str, float]:
+    """Prometheus text -> {name{labels}: value}."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out

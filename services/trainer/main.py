@@ -9,9 +9,12 @@ Parts (one module each, wired here and nowhere else):
 - backend (torch | verl)    the model, the loss (losses.py) and the optimizer
 - checkpoint.CheckpointStore model + optimizer + RNG + the done set, write-then-rename
 - publish.Publisher         safetensors + WeightVersion, pruning acknowledged versions
+- monitor.health            /health, /ready (model loaded, not stopping), /metrics: the
+                            standard squall metrics (step, version, trained tokens, tokens/s)
 Exactly-once: an entry is acked only after the checkpoint listing its key is durable; on
 resume the consumer re-reads its own pending entries and skips keys in the done set.
-SIGTERM: the current step finishes, is checkpointed, and the process exits 0.
+SIGTERM: the current step finishes, is checkpointed, and the process exits 0 (a SIGTERM
+while the model is still loading stops it right after loading, before any work).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any
 
 import numpy as np
 import orjson
+from squall.monitor.metrics import standard_metrics
 from squall.shared import bus, schemas
 from squall.shared.config import RunConfig
 from squall.shared.keys import EVENTS_MAXLEN, GROUP_TRAINER, METRICS_MAXLEN, Keys
@@ -94,6 +98,9 @@ class Trainer:
         self.last_heartbeat = 0.0
         self.wait_started = time.perf_counter()
         self.dead_lettered = 0
+        self.metrics_port = 0  # set by run(): where /metrics listens, announced in the heartbeat
+        self.metrics = standard_metrics()
+        self._observe_state()
         self._reconcile_trained_log()
         self.log.info(
             "trainer_started", step=self.state.step, version=self.state.version,
@@ -183,6 +190,7 @@ class Trainer:
         self.ledger.move([traj.key], "deadlettered", allowed_from=TRAINER_FROM)
         self.consumer.ack([delivery.entry_id])
         self.dead_lettered += 1
+        self.metrics.deadlettered.labels(source="trajectories").inc()
         self.log.warning("trajectory_dead_lettered", key=traj.key, reason=reason)
 
     def _consume(self, entry_id: str, key: str, reason: str) -> None:
@@ -261,6 +269,9 @@ class Trainer:
                 "tokens_per_s": metrics["tokens"] / train_s if train_s > 0 else 0.0,
             })  # fmt: skip
             self._emit_metrics(metrics)
+            self.metrics.tokens.labels(kind="trained").inc(metrics["tokens"])
+            self.metrics.tokens_per_second.labels(service="trainer").set(metrics["tokens_per_s"])
+        self._observe_state()
         self.wait_started = time.perf_counter()
 
     def _commit(self, *, trained: dict[str, int], version_bumped: bool) -> None:
@@ -364,13 +375,18 @@ class Trainer:
         tmp.write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in lines))
         os.replace(tmp, path)
 
+    def _observe_state(self) -> None:
+        """Prometheus gauges of the durable state (after start, resume and every step)."""
+        self.metrics.trainer_step.set(self.state.step)
+        self.metrics.weight_version.labels(role="trainer").set(self.state.version)
+
     def _heartbeat(self) -> None:
         now = time.time()
         if now - self.last_heartbeat < HEARTBEAT_S:
             return
         self.last_heartbeat = now
         beat = {"time": now, "step": self.state.step, "version": self.state.version, "pid": os.getpid(),
-                "open_groups": len(self.assembler.open), "ready_groups": len(self.ready)}  # fmt: skip
+                "metrics_port": self.metrics_port, "open_groups": len(self.assembler.open), "ready_groups": len(self.ready)}  # fmt: skip
         self.r.hset(self.keys.heartbeats, f"trainer:{self.cfg.consumer}", orjson.dumps(beat))
 
     def _event(self, name: str, **fields: Any) -> None:
@@ -379,8 +395,26 @@ class Trainer:
 
 
 def run(config: RunConfig, backend: str | None = None) -> int:
-    """Build the trainer, stop cleanly on SIGTERM/SIGINT, run until max_steps or a signal."""
-    trainer = Trainer(config, backend)
-    signal.signal(signal.SIGTERM, trainer.request_stop)
-    signal.signal(signal.SIGINT, trainer.request_stop)
-    return trainer.run()
+    """Serve /health at once, build the trainer (the model loads), run until max_steps or a
+    SIGTERM/SIGINT; /ready answers 200 only between the model being loaded and a stop."""
+    from squall.monitor.health import start_health_server
+
+    early_stop: list[int] = []  # a signal that came while the model was loading
+    signal.signal(signal.SIGTERM, lambda signum, _frame: early_stop.append(signum))
+    signal.signal(signal.SIGINT, lambda signum, _frame: early_stop.append(signum))
+    built: list[Trainer] = []
+    health, port = start_health_server(
+        config.trainer.metrics_host, config.trainer.metrics_port,
+        ready=lambda: bool(built) and not built[0].stopping,
+        info=lambda: {"step": built[0].state.step, "version": built[0].state.version} if built else {"loading": True},
+    )  # fmt: skip
+    try:
+        trainer = Trainer(config, backend)
+        trainer.metrics_port = port
+        trainer.stopping = bool(early_stop)
+        built.append(trainer)
+        signal.signal(signal.SIGTERM, trainer.request_stop)
+        signal.signal(signal.SIGINT, trainer.request_stop)
+        return trainer.run()
+    finally:
+        health.close()
