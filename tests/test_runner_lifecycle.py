@@ -122,6 +122,31 @@ def test_command_agent_reward_timeout_and_bad_output(r, run_name, tmp_path, proc
     assert by_id[sent[2].task_id].status == "timeout"
 
 
+def test_command_agent_gets_no_squall_settings_in_its_environment(r, redis_url, run_name, tmp_path, procs):
+    """The Redis URL (with its password) and API keys live in SQUALL_* variables: an agent
+    command, possibly running model-written code, must not inherit them."""
+    script = tmp_path / "env_agent.py"
+    script.write_text(
+        "import json, os, sys\n"
+        "task = json.load(sys.stdin)\n"
+        "open(task['report'], 'w').write(json.dumps(dict(os.environ)))\n"
+        "print(0.0 if 'SQUALL_RUN__REDIS_URL' in os.environ else 1.0)\n"
+    )
+    report = tmp_path / "env.json"
+    sent = dispatch(r, run_name, [{"report": str(report)}])
+    procs.start(
+        "runner", "--agent-cmd", f"{sys.executable} {script}",
+        SQUALL_RUN__REDIS_URL=redis_url, SQUALL_RUNNER__CONCURRENCY="1", AGENT_OWN_SETTING="kept",
+    )  # fmt: skip
+    wait_for(settled(r, run_name, 1), 30, "the command attempt")
+    (traj,) = trajectories(r, run_name)
+    assert traj.task_id == sent[0].task_id and traj.status == "ok", traj.error
+    env = json.loads(report.read_text())
+    assert traj.reward == 1.0 and not [name for name in env if name.upper().startswith("SQUALL_")]
+    assert env["AGENT_OWN_SETTING"] == "kept" and env["PATH"]  # the rest of the environment stays
+    assert env["OPENAI_BASE_URL"].endswith("/v1") and "OPENAI_API_KEY" in env
+
+
 def dispatch_with_deadline(r, run, row, deadline_s):
     keys = Keys(run)
     bus.ensure_group(r, keys.tasks, "runners")

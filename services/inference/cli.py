@@ -18,7 +18,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=("torch", "vllm"), help="inference backend (default torch)")
     parser.add_argument("--host", help="listen address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="listen port (default 8000)")
-    parser.add_argument("--api-key", metavar="KEY", help="require Authorization: Bearer KEY on /v1/*")
+    parser.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="require Authorization: Bearer KEY on /v1/*; prefer the environment variable "
+        "SQUALL_INFERENCE__API_KEY (or inference.api_key in the config), since a key on the "
+        "command line is visible to every user in `ps`",
+    )
     parser.add_argument("--node", metavar="ID", help="node id in weights:applied (default host:port)")
     parser.add_argument(
         "--served-name", metavar="NAME", help="model name clients ask for (default model.name)"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import math
 import time
 import uuid
@@ -414,7 +415,9 @@ class _Gate:
             await send(message)
 
         try:
-            if self.expected and dict(scope["headers"]).get(b"authorization") != self.expected:
+            if self.expected and not hmac.compare_digest(
+                dict(scope["headers"]).get(b"authorization", b""), self.expected
+            ):  # constant time: the reply's timing says nothing about how much of the key matched
                 error = ApiError(401, "missing or wrong API key: send Authorization: Bearer KEY")
                 await _json(error.body(), 401)(scope, receive, send_status)
             else:

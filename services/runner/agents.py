@@ -5,7 +5,8 @@
   sync agent that hangs keeps a worker thread until it returns — prefer async agents).
 - Command: a shell command; the task JSON on stdin, OPENAI_BASE_URL / OPENAI_API_KEY /
   OPENAI_MODEL in its environment, the reward as the last line of stdout (empty: no reward).
-  On its deadline its whole process group is killed.
+  It inherits the runner's environment except the `SQUALL_*` variables (Redis credentials,
+  API keys). On its deadline its whole process group is killed.
 - The reward is the agent's return value, or one `llm.emit_reward(x)` call (not both); if
   neither, `reward_fn(task, final_answer)` from the config; if still none, or not a finite
   number, the attempt fails with an error saying so — never a silent zero.
@@ -27,6 +28,7 @@ from typing import Any
 from squall.shared.errors import AgentError, ConfigError
 
 STDERR_TAIL = 2000  # characters of a failed command's stderr kept in the error
+SECRET_ENV_PREFIX = "SQUALL_"  # settings (Redis URL with password, API keys) kept from agent commands
 
 
 @dataclass
@@ -87,7 +89,7 @@ class CommandAgent:
 
     async def __call__(self, payload: dict[str, Any], llm: LLM) -> Any:
         env = {
-            **os.environ,
+            **agent_environment(),
             "OPENAI_BASE_URL": llm.base_url,
             "OPENAI_API_KEY": llm.api_key,
             "OPENAI_MODEL": llm.model,
@@ -118,6 +120,14 @@ class CommandAgent:
             raise AgentError(
                 f"agent command's last stdout line must be the reward (a number), got {lines[-1][:200]!r}"
             ) from None
+
+
+def agent_environment() -> dict[str, str]:
+    """The runner's environment minus its `SQUALL_*` settings: those hold the Redis URL (with
+    its password) and API keys, which agent code — possibly model-written — must not see."""
+    return {
+        name: value for name, value in os.environ.items() if not name.upper().startswith(SECRET_ENV_PREFIX)
+    }
 
 
 class _suppress_lookup:
