@@ -341,7 +341,9 @@ class Scheduler:
         if any(g.mode == "val" for g in self.groups.values()):
             return False
         last = self.cursor.last_val_version
-        if last >= 0 and version < last + self.section.val_every:
+        # Out of training data: one last round on the newest version, so a run ends measured.
+        final = self.section.val_at_end and self.exhausted and version > last
+        if last >= 0 and version < last + self.section.val_every and not final:
             return False
         cursor = Cursor(**self.cursor.__dict__)
         cursor.val_round += 1
@@ -513,7 +515,15 @@ class Scheduler:
     def finished(self) -> bool:
         """Out of data (or drained) and every group rolled out; held groups are the trainer's now."""
         rolling = any(not g.rolled_out for g in self.groups.values())
-        return (self.exhausted or bool(self.cursor.draining)) and not rolling
+        if self.cursor.draining:
+            return not rolling
+        return self.exhausted and not rolling and not self._final_val_due()
+
+    def _final_val_due(self) -> bool:
+        """A last validation round is owed on the newest version (see maybe_validate)."""
+        if not (self.section.val_at_end and self.section.val_every and self.splits.val):
+            return False
+        return self.cursor.last_val_version < self.trainer_version()
 
     def release_trained(self) -> int:
         """Drop held groups whose ok members the trainer has consumed (no attempt left in `ok`)."""
