@@ -37,3 +37,25 @@ def sync_trivial(task: dict, llm) -> float:
 def answer_reward(task: dict, final_answer: str | None) -> float:
     """A reward_fn: 1 when the agent's final answer is non-empty."""
     return 1.0 if final_answer else 0.0
+
+
+async def tiny_llm(task: dict, llm) -> float:
+    """One short chat call through the gateway (real tokens to train on), `sleep` seconds of
+    pretend work after it, and a random reward so that groups have variance."""
+    import random
+
+    import httpx
+
+    async with httpx.AsyncClient(timeout=60) as client:
+        reply = await client.post(
+            f"{llm.base_url}/chat/completions",
+            headers={"Authorization": f"Bearer {llm.api_key}"},
+            json={
+                "model": llm.model,
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": task["question"]}],
+            },
+        )
+        reply.raise_for_status()
+    await asyncio.sleep(float(task.get("sleep", 0)))
+    return random.random()

@@ -231,6 +231,7 @@ def test_models_health_and_metrics(node):
     text = httpx.get(f"{node.url}/metrics").text
     assert 'squall_inference_requests_total{endpoint="/v1/chat/completions",status="200"}' in text
     assert "squall_inference_weight_version 0.0" in text
+    assert 'squall_weight_version{role="served"} 0.0' in text  # the standard name too
 
 
 def test_a_client_that_leaves_frees_its_batch_slot(node):

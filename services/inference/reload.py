@@ -141,6 +141,7 @@ class WeightFollower:
         self.metrics.weight_reloads.inc()
         self.metrics.reload_seconds.observe(load_s)
         self.metrics.weight_version.set(message.version)
+        self.metrics.served_version.set(message.version)
         log.info(
             "weights_applied",
             version=message.version,

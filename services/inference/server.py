@@ -160,6 +160,7 @@ def create_app(
     @app.get("/metrics")
     async def prometheus() -> Response:
         metrics.weight_version.set(engine.weight_version)
+        metrics.served_version.set(engine.weight_version)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
