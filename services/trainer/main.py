@@ -122,11 +122,17 @@ class Trainer:
                 block_ms = (
                     READ_BLOCK_MS if deadline is None else max(1, min(READ_BLOCK_MS, int(deadline * 1000)))
                 )
-                self._handle(self.consumer.read(READ_COUNT, block_ms=block_ms))
+                deliveries = self.consumer.read(READ_COUNT, block_ms=block_ms)
+                self._handle(deliveries)
                 self._collect_complete_groups()
                 if len(self.ready) >= self.cfg.groups_per_step:
                     self._step(self.ready[: self.cfg.groups_per_step])
                     self.ready = self.ready[self.cfg.groups_per_step :]
+                elif not deliveries and self.pending.entry_ids:
+                    # The stream went quiet with filtered groups uncommitted: commit them now.
+                    # The scheduler holds a group until the trainer has consumed it, so waiting
+                    # for the next step could wait forever (all in-flight groups held).
+                    self._commit(trained={}, version_bumped=False)
             if self.pending.entry_ids:  # filtered/late work seen since the last step
                 self._commit(trained={}, version_bumped=False)
         finally:  # an exception propagates uncommitted: a restart replays from the last checkpoint
