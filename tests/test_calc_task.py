@@ -142,3 +142,22 @@ def test_shared_prefix_forward_matches_the_plain_forward(tmp_path):
     shared = sft.forward_shared_prefix(model, ids, attention)
     real = attention.bool()
     assert torch.allclose(plain[real], shared[real], atol=1e-4)
+
+
+def test_committed_policy_loads_with_the_agreed_template_and_starts_with_a_decision():
+    import torch
+    from squall.inference.tiny import CHAT_TEMPLATE
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(1)
+    path = ROOT / "examples" / "calc" / "policy"
+    tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
+    assert tok.chat_template == CHAT_TEMPLATE and tok.eos_token_id == model.config.eos_token_id
+    assert (path / "model.safetensors").stat().st_size < 8_000_000
+    row = tasks.generate("val", 1, 0)[0]
+    prompt = tok.encode(sft.render(tok, sft.first_messages(row["question"]), True), add_special_tokens=False)
+    with torch.no_grad():
+        probs = torch.softmax(model(torch.tensor([prompt])).logits[0, -1], dim=-1)
+    p_tool = probs[tok.convert_tokens_to_ids("<tool_call>")].item()
+    p_digit = sum(probs[tok.convert_tokens_to_ids(str(d))].item() for d in range(10))
+    assert 0.1 < p_tool < 0.6 and p_tool + p_digit > 0.95  # unreliable tool use, nothing else

@@ -1,20 +1,31 @@
 """Warm-start the demo policy: a tiny model that knows the tool format but uses the tool unreliably.
 
-    python -m examples.calc.sft --out examples/calc/policy --seed 0
+The committed `examples/calc/policy/` was made by two commands (CPU, one thread, seed 0;
+bit-for-bit reproducible on the same torch build):
 
-1. Build a tiny Qwen2 model from scratch (`squall.inference.tiny.build_tiny_model`) whose BPE
-   tokenizer is trained on the task generator's questions and on chat transcripts rendered with
-   the tokenizer's own chat template (the one the inference server uses).
+    python -m examples.calc.sft --out runs/sft-stage1                       # build + 2000 steps
+    python -m examples.calc.sft --init runs/sft-stage1 --out examples/calc/policy --steps 1000 --lr 1e-3
+
+and `python -m examples.calc.sft --out DIR --evaluate-only --eval 200` re-measures a policy.
+
+1. Build a tiny Qwen2 model from scratch (`squall.inference.tiny.build_tiny_model`: hidden 128,
+   4 layers, 4 heads, vocab 512, 1.1 M parameters, 4.5 MB of float32) whose BPE tokenizer is trained on
+   the task generator's questions and on chat transcripts rendered with the tokenizer's own chat
+   template (the one the inference server uses).
 2. Supervised pass (CPU, one thread, seeded) on fresh transcripts of the exact conversation the
    agent (`examples/calc/agent.py`) has with the server, loss on assistant tokens only
    (each assistant turn's tokens through its `<|im_end|>`):
-   - with probability `--p-tool` the assistant calls `calculator` with the right expression, gets
-     the `<tool_response>` with the result and replies with that number;
+   - with probability `--p-tool` (0.3) the assistant calls `calculator` with the right
+     expression, gets the `<tool_response>` with the result and replies with that number;
    - otherwise it replies at once with a guess: right with probability `--p-guess-right`, else
-     off by a random amount.
-   So the format is learnt perfectly but the decision at the first assistant token (`<tool_call>`
-   or a digit) is a coin with P(tool) ~ p_tool: the initial reward is about p_tool, and RL only
-   has to learn to always call the tool.
+     off by a random amount;
+   - in addition a share `--p-copy` (0.8) of the transcripts are tool transcripts whose first
+     assistant token is left out of the loss: they teach copying digits into the expression and
+     the result into the answer (the slow part to learn) without moving P(tool).
+   So the format is learnt but the decision at the first assistant token (`<tool_call>` or a
+   digit) is a coin with P(tool) ~ p_tool: the initial reward is about p_tool times the tool
+   path's success, and RL mostly has to learn to always call the tool.
+   The shared system+tools prefix (~60 tokens) is run once per batch (`forward_shared_prefix`).
 3. Check by sampling at temperature 1 (raw logits, like the server's behaviour policy) on
    validation problems with the agent's exact messages, and write the numbers to
    `sft_report.json` in the output folder.
@@ -23,12 +34,18 @@ Tokenisation matches inference exactly: every prompt is `encode(render(messages 
 generation prompt)` and every reply is `encode(reply text)`, and the script checks that the
 training sequence of a transcript is the concatenation of those pieces.
 
-Measured (seed 0, defaults, this repository's committed `examples/calc/policy/`): see the
-"Result" section at the end of this docstring.
-
 Result
 ------
-(filled in below after the run)
+Measured on this machine (2 shared CPU cores), seed 0:
+- stage 1: 2000 steps x 32 transcripts, 1160 s; loss 0.069. Stage 2: 1000 steps at lr 1e-3,
+  770 s; loss 0.060.
+- committed policy, 300 validation problems (`--evaluate-only --eval 300`), temperature 1:
+  tool-call rate 0.28, reward when it calls the tool 0.92 (expression right 0.94), reward
+  without the tool 0.00, overall reward 0.26; ~12 reply tokens per episode.
+- with `<tool_call>` prefilled (200 problems): expression right 95.5 %, result copied into the
+  answer right 97.4 %, so a policy that always calls the tool scores ~0.93: the RL ceiling.
+- smaller models copied digits unreliably: hidden 64/2 layers (800 steps) 0 %, hidden 128/2
+  layers (2000 steps) 57 %, hidden 128/4 layers stage 1 only 77 %.
 """
 
 from __future__ import annotations
@@ -38,6 +55,7 @@ import json
 import math
 import random
 import re
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -196,7 +214,8 @@ def train(model: Any, tokenizer: Any, args: argparse.Namespace) -> list[float]:
 
     torch.manual_seed(args.seed)
     rng = random.Random(f"sft:{args.seed}")
-    rows = tasks.generate("sft", args.steps * args.batch, args.seed)
+    split = "sft-continue" if args.init else "sft"  # a continued pass sees fresh problems
+    rows = tasks.generate(split, args.steps * args.batch, args.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
     warmup = max(1, args.steps // 20)
 
@@ -337,18 +356,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Build and warm-start the calculator demo policy.")
     parser.add_argument("--out", default="examples/calc/policy", help="output model directory")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=600, help="optimiser steps")
+    parser.add_argument("--steps", type=int, default=2000, help="optimiser steps")
     parser.add_argument("--batch", type=int, default=32, help="transcripts per step")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW, cosine)")
     parser.add_argument("--p-tool", type=float, default=0.3, help="share of transcripts that call the tool")
     parser.add_argument(
         "--p-copy",
         type=float,
-        default=0.5,
+        default=0.8,
         help="share of extra tool transcripts whose first token (the decision) is not trained",
     )
     parser.add_argument(
@@ -356,6 +375,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--eval", type=int, default=100, help="validation problems to sample (0: skip)")
     parser.add_argument("--log-every", type=int, default=50)
+    parser.add_argument(
+        "--init",
+        metavar="DIR",
+        default=None,
+        help="continue training the policy in DIR instead of building one",
+    )
+    parser.add_argument(
+        "--evaluate-only", action="store_true", help="only sample-evaluate the model already in --out"
+    )
     args = parser.parse_args(argv)
 
     import torch
@@ -364,7 +392,16 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     out = Path(args.out)
-    build_policy(out, args.seed, args.hidden, args.layers, args.heads, args.vocab)
+    if args.evaluate_only:
+        tokenizer = AutoTokenizer.from_pretrained(out)
+        model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+        rows = tasks.generate("val", args.eval, args.seed)
+        print(json.dumps(evaluate(model, tokenizer, rows, args.seed), indent=2))
+        return 0
+    if args.init:
+        shutil.copytree(args.init, out, dirs_exist_ok=True, ignore=shutil.ignore_patterns("sft_report.json"))
+    else:
+        build_policy(out, args.seed, args.hidden, args.layers, args.heads, args.vocab)
     tokenizer = AutoTokenizer.from_pretrained(out)
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     started = time.monotonic()
