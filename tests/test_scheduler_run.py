@@ -311,3 +311,22 @@ def test_standby_takes_over_from_a_dead_or_paused_leader_without_double_dispatch
     assert len(sent) == 32 and len({t.key for t in sent}) == 32
     assert Ledger(r, keys).counts() == {"dispatched": 32, "ok": 32}
     assert len(events(r, run_name, "finished")) == 1
+
+
+def test_held_groups_older_than_max_staleness_do_not_block_dispatch(r, redis_url, run_name, tmp_path):
+    # Regression: a rolled-out group held for the trainer (which needs one more step's worth of
+    # groups) used to count as "oldest in flight", so once the trainer moved on no group could
+    # be dispatched and the trainer never got the groups its step waited for: a deadlock.
+    data = write_jsonl(tmp_path / "d.jsonl", [{"id": i} for i in range(10)])
+    config = make_config(redis_url, run_name, data, group_size=2, max_inflight_groups=4, max_staleness=1,
+                         hold_until_trained=True, trainer={"groups_per_step": 2}, poll_s=0.05)  # fmt: skip
+    sched = Scheduler(config, r)
+    assert sched.dispatch_train(0)
+    assert len(finish_all_as_runner(r, run_name)) == 2
+    for delivery in sched.consumer.read(count=10, block_ms=1000):  # the outcomes, as step() reads them
+        sched.handle(delivery)
+    (held,) = sched.groups.values()
+    assert held.rolled_out and held.version == 0
+    assert sched.dispatch_train(5)  # the trainer moved on to version 5 meanwhile
+    fresh = [g for g in sched.groups.values() if g is not held]
+    assert fresh and all(g.version == 5 for g in fresh)

@@ -254,7 +254,10 @@ class Scheduler:
         train = [g for g in self.groups.values() if g.mode == "train"]
         if len(train) >= self.max_inflight:
             return False
-        oldest = min((g.version for g in train), default=version)
+        # Staleness is bounded by groups still rolling out. A rolled-out group held for the
+        # trainer only waits for one more step's worth of groups (or is filtered as stale
+        # there): counting it here would block exactly the dispatch that step waits for.
+        oldest = min((g.version for g in train if not g.rolled_out), default=version)
         return version - oldest <= self.max_staleness
 
     # --- dispatch -------------------------------------------------------------------
