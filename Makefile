@@ -29,8 +29,10 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
+# The main job: data from the seeded generator, then a whole run (`squall up`), at most 12 minutes.
 demo: setup
-	$(PY) -m squall.cli up --config examples/calc/demo.toml $(DEMO_ARGS)
+	$(PY) -m examples.calc.tasks --out runs/calc-data --train 4000 --val 200 --seed 0
+	$(PY) -m squall.cli up --config examples/calc/demo.toml --minutes 12 $(DEMO_ARGS)
 
 bench: setup
 	$(PY) benchmarks/bus.py
