@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # examples/ is a plain folder run from the repository root
-    sys.path.insert(0, str(ROOT))
+from examples.calc import agent, sft, tasks
 
-from examples.calc import agent, sft, tasks  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_generator_is_deterministic_by_seed_and_split():

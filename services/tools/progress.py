@@ -63,16 +63,13 @@ def plot_curve(snap: dict[str, Any], path: Path) -> Path | None:
     except ImportError:
         return None
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    train = snap["train"]
-    if train:
-        xs = [p["version"] for p in train]
-        ys = [p["mean"] for p in train]
-        window = max(1, len(ys) // 20)
-        smooth = [
-            sum(ys[max(0, i - window + 1) : i + 1]) / len(ys[max(0, i - window + 1) : i + 1])
-            for i in range(len(ys))
-        ]
-        ax.plot(xs, smooth, label="train reward (groups, smoothed)", color="tab:blue", alpha=0.8)
+    by_version: dict[int, list[float]] = {}
+    for point in snap["train"]:  # several groups share a version: one mean per version
+        by_version.setdefault(point["version"], []).append(point["mean"])
+    if by_version:
+        xs = sorted(by_version)
+        means = [sum(by_version[x]) / len(by_version[x]) for x in xs]
+        ax.plot(xs, means, label="train reward (mean of groups)", color="tab:blue", alpha=0.7)
     if snap["val"]:
         ax.plot([p["version"] for p in snap["val"]], [p["mean"] for p in snap["val"]], "o-", label="validation reward",
                 color="tab:orange")  # fmt: skip
