@@ -13,9 +13,10 @@ from safetensors.torch import load_file
 from squall.shared.config import load_config
 from squall.shared.keys import Keys
 from squall.shared.schemas import Trajectory, Turn, WeightVersion, decode, pack_logprobs, pack_tokens
+from squall.shared.weightfiles import sha256_file
 from squall.trainer.backend import make_backend
 from squall.trainer.checkpoint import CheckpointStore, TrainerState
-from squall.trainer.publish import Publisher, sha256_file
+from squall.trainer.publish import Publisher
 from squall.trainer.sequences import trajectory_to_samples
 
 torch.set_num_threads(1)

@@ -12,7 +12,6 @@ node keeps serving the version it had. On success it XADDs WeightApplied to
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import time
 from pathlib import Path
@@ -23,23 +22,15 @@ import structlog
 from squall.shared import schemas
 from squall.shared.errors import SchemaError, WeightsError
 from squall.shared.keys import Keys
+from squall.shared.weightfiles import sha256_file
 
 from .engine import Engine
 from .metrics import InferenceMetrics
 
 BLOCK_MS = 2000  # longest XREAD wait; also the heartbeat interval
 RETRY_MIN_S, RETRY_MAX_S = 0.5, 5.0  # backoff between reads while Redis does not answer
-HASH_CHUNK = 1 << 22  # bytes read at a time when hashing a weight file
 
 log = structlog.get_logger()
-
-
-def sha256_of(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 class WeightFollower:
@@ -180,7 +171,7 @@ class WeightFollower:
         path = Path(message.location)
         if not path.is_file():
             raise WeightsError(f"missing: version {message.version} file {path} does not exist")
-        actual = sha256_of(str(path))
+        actual = sha256_file(path)
         if actual != message.checksum.lower():
             raise WeightsError(
                 f"checksum: version {message.version} file {path} has sha256 {actual}, announced {message.checksum}"

@@ -22,7 +22,8 @@ Chat template (the agreed Hermes/Qwen format, see notes/COMMON.md), `CHAT_TEMPLA
   per call, separated by a newline, after the content (if any) and a newline. ARGS is
   `json.dumps(arguments)` (default separators) when arguments is a dict; a string is written
   verbatim, so a string made by `json.dumps` renders the same as its dict (OpenAI clients send
-  back the string the server produced; `normalize_tool_arguments` canonicalises others);
+  back the string the server produced; the server re-dumps other strings with
+  `squall.inference.tools.normalize_messages`);
 - a `tool` message is its own user turn: `<|im_start|>user\\n<tool_response>\\n{content}\\n</tool_response><|im_end|>\\n`;
 - `add_generation_prompt` appends `<|im_start|>assistant\\n`.
 """
@@ -218,33 +219,4 @@ def build_tiny_model(
     model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    return out
-
-
-def normalize_tool_arguments(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Return messages whose tool-call `arguments` strings are re-dumped with `json.dumps` defaults.
-
-    The template writes a string verbatim; this makes a compact or differently spaced JSON
-    string render exactly like the dict it encodes. Unparseable strings are left as they are.
-    """
-    out = []
-    for message in messages:
-        calls = message.get("tool_calls")
-        if not calls:
-            out.append(message)
-            continue
-        new_calls = []
-        for call in calls:
-            call = dict(call)
-            holder = dict(call["function"]) if "function" in call else call
-            args = holder.get("arguments")
-            if isinstance(args, str):
-                try:
-                    holder["arguments"] = json.dumps(json.loads(args))
-                except ValueError:
-                    pass
-            if "function" in call:
-                call["function"] = holder
-            new_calls.append(call)
-        out.append({**message, "tool_calls": new_calls})
     return out

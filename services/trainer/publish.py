@@ -4,7 +4,6 @@ inference node acknowledged a newer one."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import shutil
@@ -15,24 +14,12 @@ import redis
 from squall.shared import bus
 from squall.shared.keys import Keys
 from squall.shared.schemas import WeightVersion
+from squall.shared.weightfiles import sha256_file, version_dir
 
 from .checkpoint import fsync_dir
 
 WEIGHTS_FILE = "model.safetensors"
 VERSION_DIR = re.compile(r"^v(\d{6,})$")
-HASH_CHUNK = 1 << 20  # bytes read at a time while hashing
-
-
-def version_dir(run_dir: str | Path, version: int) -> Path:
-    return Path(run_dir) / "weights" / f"v{version:06d}"
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 class Publisher:
