@@ -8,9 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import redis
 from squall.shared import bus, schemas
@@ -66,16 +64,6 @@ class Procs:
 
 def log_of(proc: subprocess.Popen) -> str:
     return Path(proc.log_path).read_text()  # type: ignore[attr-defined]
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def trajectories(r: redis.Redis, run: str) -> list[schemas.Trajectory]:

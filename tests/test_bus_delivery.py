@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from squall.shared import bus, schemas
 from squall.shared.keys import Keys
+from waiting import wait_for
 
 WORKER = Path(__file__).with_name("busworker.py")
 pytestmark = pytest.mark.redis
@@ -28,15 +29,6 @@ def tasks(n: int, run: str = "r") -> list[schemas.Task]:
 
 def start_worker(redis_url: str, stream: str, name: str, mode: str = "work") -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(WORKER), redis_url, stream, "g", name, mode])
-
-
-def wait_for(predicate, timeout_s: float, what: str) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def finish(r, stream: str, workers: list[subprocess.Popen]) -> None:

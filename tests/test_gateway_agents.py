@@ -12,8 +12,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from runner_helpers import Procs, dispatch, trajectories, wait_for
+from runner_helpers import Procs, dispatch, trajectories
 from squall.shared.localredis import free_port
+from waiting import wait_for
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import hashlib
-import time
 
 import httpx
 import pytest
@@ -15,6 +14,7 @@ from inference_helpers import NodeThread, load_model, recompute_logprobs
 from squall.inference.tiny import build_tiny_model
 from squall.shared import bus, schemas
 from squall.shared.keys import Keys
+from waiting import wait_for
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.redis
@@ -63,13 +63,6 @@ def start_node(tiny_dir, redis_url, run_name):
         node="n1",
         run={"name": run_name, "redis_url": redis_url, "autostart_redis": False},
     ).start()
-
-
-def wait_for(predicate, timeout_s=30.0):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
 
 
 def running_sequences(node) -> float:

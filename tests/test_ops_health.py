@@ -13,6 +13,7 @@ from squall.monitor.metrics import QueueCollector, standard_metrics
 from squall.shared import bus, schemas
 from squall.shared.keys import GROUP_RUNNERS, Keys
 from squall.shared.ledger import Ledger
+from waiting import wait_for
 
 
 @pytest.fixture
@@ -157,18 +158,6 @@ def test_trainer_subprocess_serves_health_ready_and_metrics(tmp_path, r, redis_u
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-
-
-def wait_for(predicate, timeout_s: float, what: str):
-    import time
-
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def scrape_values(text: str) -> dict[str, float]:

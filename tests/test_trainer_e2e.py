@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from squall.shared.keys import GROUP_TRAINER, Keys
 from squall.shared.ledger import Ledger
 from squall.shared.schemas import Trajectory, Turn, pack_logprobs, pack_tokens
 from test_trainer_step import VOCAB, make_tiny_model, sampled_trajectory
+from waiting import wait_for
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,15 +57,6 @@ def trained_log(run_dir: Path) -> list[dict]:
         except ValueError:
             pass
     return out
-
-
-def wait_for(predicate, timeout_s: float, what: str) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def publish_dataset(r, keys: Keys, model) -> tuple[set[str], set[str]]:

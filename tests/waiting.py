@@ -1,0 +1,20 @@
+"""Bounded polling for tests: every wait has a deadline, and passing it names what was awaited."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def wait_for(
+    predicate: Callable[[], Any], timeout_s: float = 30.0, what: str = "a condition", interval: float = 0.05
+) -> Any:
+    """Poll `predicate` until it returns something truthy (returned), or fail after `timeout_s`."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
