@@ -10,7 +10,7 @@ EXTRAS ?= ml,serve,data,dev
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.squall-installed
 
-.PHONY: setup test test-fast demo bench lint clean
+.PHONY: setup test test-fast test-verl demo bench lint clean
 
 setup: $(STAMP)
 
@@ -44,3 +44,13 @@ lint: setup
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache .mypy_cache
+
+# The verl backend's tests, in a virtualenv of their own (verl pins packages the main venv
+# must not get), which sees the main venv's packages through a .pth file.
+VERL_VENV ?= .venv-verl
+VERL ?= verl==0.5.0
+test-verl: setup
+	test -x $(VERL_VENV)/bin/python || $(PYTHON) -m venv $(VERL_VENV)
+	$(VERL_VENV)/bin/python -c "import sysconfig, sys; open(sysconfig.get_paths()['purelib'] + '/zz_squall_main.pth', 'w').write('import site; site.addsitedir(%r)\n' % sys.argv[1])" "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+	$(VERL_VENV)/bin/python -m pip install -q "$(VERL)"
+	$(VERL_VENV)/bin/python -m pytest -q -p no:cacheprovider -k verl tests/test_trainer_verl.py tests/test_trainer_e2e.py tests/test_trainer_step.py

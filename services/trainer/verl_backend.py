@@ -55,12 +55,21 @@ def _init_process_group(device: torch.device) -> None:
 
     if dist.is_initialized():
         return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:  # launched by torchrun/Ray
+        dist.init_process_group(backend, rank=0, world_size=1)
+        return
+    # One process: rendezvous through a fresh file, not a TCP port that another process (or a
+    # trainer killed a moment ago) may hold.
+    import tempfile
+
+    handle, path = tempfile.mkstemp(prefix="squall-pg-")
+    os.close(handle)
+    os.unlink(path)
+    dist.init_process_group(backend, init_method=f"file://{path}", rank=0, world_size=1)
 
 
 def to_verl_batch(samples: Sequence[Sample], pad_id: int) -> dict[str, torch.Tensor]:
