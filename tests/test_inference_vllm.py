@@ -90,6 +90,14 @@ def response_text(tokenizer, token_ids, finish_reason):
     return tokenizer.decode(ids, skip_special_tokens=False)
 
 
+def same_text(text, expected, finish_reason):
+    """vLLM's detokenizer holds back a trailing incomplete UTF-8 sequence where decoding the ids
+    gives U+FFFD; only a reply cut by max_tokens can end mid-character (docs/inference.md)."""
+    if finish_reason == "length":
+        return text.rstrip("\ufffd") == expected.rstrip("\ufffd")
+    return text == expected
+
+
 def assert_logprobs_match(model, prompt_ids, token_ids, logprobs, tol=TOLERANCE):
     assert len(logprobs) == len(token_ids)
     assert all(math.isfinite(x) for x in logprobs)
@@ -124,7 +132,11 @@ def test_chat_returns_token_ids_logprobs_version_and_node(node, models, tokenize
         assert prompt_ids == tokenizer.encode(expected_prompt, add_special_tokens=False)
         assert 1 <= len(token_ids) <= 24
         assert choice.finish_reason in ("stop", "length")
-        assert choice.message.content == response_text(tokenizer, token_ids, choice.finish_reason)
+        assert same_text(
+            choice.message.content,
+            response_text(tokenizer, token_ids, choice.finish_reason),
+            choice.finish_reason,
+        )
         logprobs = [entry.logprob for entry in choice.logprobs.content]
         assert_logprobs_match(models[0], prompt_ids, token_ids, logprobs)
     assert reply.usage.completion_tokens == sum(len(c.model_extra["token_ids"]) for c in reply.choices)
@@ -187,7 +199,9 @@ def test_completions_with_token_ids_and_stop_strings(node, models, tokenizer):
     assert choice.model_extra["prompt_token_ids"] == prompt_ids
     token_ids = choice.model_extra["token_ids"]
     assert len(token_ids) == 40 and choice.finish_reason == "length"
-    assert choice.text == tokenizer.decode(token_ids, skip_special_tokens=False)
+    assert same_text(
+        choice.text, tokenizer.decode(token_ids, skip_special_tokens=False), choice.finish_reason
+    )
     assert_logprobs_match(models[0], prompt_ids, token_ids, choice.logprobs.token_logprobs)
     stop = choice.text[10:12]
     cut = client.completions.create(
