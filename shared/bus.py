@@ -127,7 +127,9 @@ class GroupConsumer:
         start = "0" if own_pending else ">"
         block = None if own_pending else block_ms
         # RESP2 reply: [[stream, [(id, fields), ...]]] (redis-py types it for RESP3 too).
-        reply: Any = self.r.xreadgroup(self.group, self.consumer, {self.stream: start}, count=count, block=block)
+        reply: Any = self.r.xreadgroup(
+            self.group, self.consumer, {self.stream: start}, count=count, block=block
+        )
         entries = reply[0][1] if reply else []
         return self._decode_all(entries, deliveries=None)
 
@@ -158,7 +160,7 @@ class GroupConsumer:
         for entry_id in entry_ids:
             pipe.xpending_range(self.stream, self.group, min=entry_id, max=entry_id, count=1)
         counts = {}
-        for entry_id, rows in zip(entry_ids, pipe.execute()):
+        for entry_id, rows in zip(entry_ids, pipe.execute(), strict=True):
             counts[entry_id] = int(rows[0]["times_delivered"]) if rows else 1
         return counts
 

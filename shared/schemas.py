@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import msgspec
 import numpy as np
@@ -218,7 +218,7 @@ class Event(Message, kw_only=True, tag="event"):
     time: float = msgspec.field(default_factory=time.time)
 
 
-AnyMessage = Union[Task, Trajectory, WeightVersion, WeightApplied, Control, Metrics, Event]
+AnyMessage = Task | Trajectory | WeightVersion | WeightApplied | Control | Metrics | Event
 
 _encoder = msgspec.msgpack.Encoder()
 _any_decoder = msgspec.msgpack.Decoder(AnyMessage)
