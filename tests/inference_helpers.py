@@ -143,3 +143,84 @@ def teach_tool_use(model_dir: str | Path, out_dir: str | Path, steps: int = 300)
     model.eval().save_pretrained(str(out_dir))
     tokenizer.save_pretrained(str(out_dir))
     return Path(out_dir)
+
+
+# --- the serving contract, checked the same way on every backend ----------------------------
+CHAT_MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Hello! How are you?"},
+]
+LOGPROB_TOLERANCE = 1e-4  # float32 on both sides; kernels may sum in another order
+
+
+def perturbed_versions(model_dir: str | Path) -> dict[int, Any]:
+    """Version 0 (the model directory) and version 1 (every parameter perturbed)."""
+    import copy
+
+    base = load_model(model_dir)
+    changed = copy.deepcopy(base)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in changed.parameters():  # tied weights appear once, so they stay tied
+            param.add_(torch.randn(param.shape, generator=gen) * 0.5)
+    return {0: base, 1: changed}
+
+
+def response_text(tokenizer: Any, token_ids: list[int], finish_reason: str | None) -> str:
+    """The documented relation: text is the decoding of token_ids without a final eos."""
+    ids = token_ids[:-1] if finish_reason == "stop" and token_ids[-1] == tokenizer.eos_token_id else token_ids
+    return tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def assert_logprobs_match(model: Any, prompt_ids: list[int], token_ids: list[int], logprobs: list[float],
+                          tol: float = LOGPROB_TOLERANCE) -> None:  # fmt: skip
+    import math
+
+    assert len(logprobs) == len(token_ids)
+    assert all(math.isfinite(x) for x in logprobs)
+    expected = recompute_logprobs(model, prompt_ids, token_ids)
+    assert max(abs(a - b) for a, b in zip(logprobs, expected, strict=True)) < tol
+
+
+def check_n_choices_differ_and_a_seed_repeats_them(client: Any) -> None:
+    def ask() -> list[list[int]]:
+        reply = client.chat.completions.create(
+            model="policy", messages=CHAT_MESSAGES, max_tokens=12, n=3, seed=1234,
+            extra_body={"return_token_ids": True},
+        )  # fmt: skip
+        return [c.model_extra["token_ids"] for c in sorted(reply.choices, key=lambda c: c.index)]
+
+    first = ask()
+    assert len(first) == 3 and len({tuple(ids) for ids in first}) == 3
+    assert ask() == first
+
+
+def check_streaming_contract(client: Any, model: Any, tokenizer: Any, same_text: Any = None) -> None:
+    """Streamed chunks add up to the non-streamed contract: ids, text, logprobs, version, usage.
+
+    `same_text(text, expected, finish_reason)` compares the text (a backend may differ on a
+    trailing half character, see docs/inference.md).
+    """
+    stream = client.chat.completions.create(
+        model="policy", messages=CHAT_MESSAGES, max_tokens=20, stream=True, logprobs=True,
+        stream_options={"include_usage": True}, extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    text, token_ids, logprobs, prompt_ids, finish, versions, usage = "", [], [], None, None, set(), None
+    for chunk in stream:
+        versions.add(chunk.model_extra["weight_version"])
+        if chunk.usage:
+            usage = chunk.usage
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            token_ids += c.model_extra["token_ids"]
+            logprobs += [e.logprob for e in c.logprobs.content]
+            prompt_ids = c.model_extra.get("prompt_token_ids", prompt_ids)
+            finish = c.finish_reason or finish
+    assert versions == {0} and finish in ("stop", "length")
+    expected = response_text(tokenizer, token_ids, finish)
+    assert same_text(text, expected, finish) if same_text is not str.__eq__ else text == expected, (
+        text,
+        expected,
+    )
+    assert_logprobs_match(model, prompt_ids, token_ids, logprobs)
+    assert usage.completion_tokens == len(token_ids)

@@ -4,13 +4,12 @@ corrupt or missing files rejected, the newest version loaded at start."""
 from __future__ import annotations
 
 import concurrent.futures
-import copy
 import hashlib
 
 import httpx
 import pytest
 import torch
-from inference_helpers import NodeThread, load_model, recompute_logprobs
+from inference_helpers import NodeThread, perturbed_versions, recompute_logprobs
 from squall.inference.tiny import build_tiny_model
 from squall.shared import bus, schemas
 from squall.shared.keys import Keys
@@ -28,14 +27,7 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def models(tiny_dir):
-    """Version 0 (the model directory) and version 1 (every parameter perturbed)."""
-    base = load_model(tiny_dir)
-    changed = copy.deepcopy(base)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for param in changed.parameters():  # tied weights appear once, so they stay tied
-            param.add_(torch.randn(param.shape, generator=gen) * 0.5)
-    return {0: base, 1: changed}
+    return perturbed_versions(tiny_dir)
 
 
 def write_weights(run_dir, version, model) -> tuple[str, str]:

@@ -4,22 +4,27 @@ model, the official openai SDK. Logprobs are checked against a plain forward pas
 from __future__ import annotations
 
 import concurrent.futures
-import math
 import time
 
 import httpx
 import openai
 import pytest
 import torch
-from inference_helpers import API_KEY, NodeThread, load_model, recompute_logprobs
+from inference_helpers import (
+    API_KEY,
+    CHAT_MESSAGES,
+    NodeThread,
+    assert_logprobs_match,
+    check_n_choices_differ_and_a_seed_repeats_them,
+    check_streaming_contract,
+    load_model,
+    response_text,
+)
 from squall.inference.tiny import build_tiny_model
 from transformers import AutoTokenizer
 
 torch.set_num_threads(1)
-MESSAGES = [
-    {"role": "system", "content": "You are terse."},
-    {"role": "user", "content": "Hello! How are you?"},
-]
+MESSAGES = CHAT_MESSAGES
 
 
 @pytest.fixture(scope="module")
@@ -44,19 +49,6 @@ def tokenizer(tiny_dir):
     return AutoTokenizer.from_pretrained(str(tiny_dir))
 
 
-def response_text(tokenizer, token_ids, finish_reason):
-    """The documented relation: text is the decoding of token_ids without a final eos."""
-    ids = token_ids[:-1] if finish_reason == "stop" and token_ids[-1] == tokenizer.eos_token_id else token_ids
-    return tokenizer.decode(ids, skip_special_tokens=False)
-
-
-def assert_logprobs_match(model, prompt_ids, token_ids, logprobs, tol=1e-4):
-    assert len(logprobs) == len(token_ids)
-    assert all(math.isfinite(x) for x in logprobs)
-    expected = recompute_logprobs(model, prompt_ids, token_ids)
-    assert max(abs(a - b) for a, b in zip(logprobs, expected, strict=True)) < tol
-
-
 def test_chat_returns_token_ids_logprobs_version_and_node(node, model, tokenizer):
     raw = node.client().chat.completions.with_raw_response.create(
         model="policy", messages=MESSAGES, max_tokens=24, logprobs=True, extra_body={"return_token_ids": True}
@@ -77,49 +69,11 @@ def test_chat_returns_token_ids_logprobs_version_and_node(node, model, tokenizer
 
 
 def test_n_choices_differ_and_a_seed_repeats_them(node):
-    client = node.client()
-
-    def ask():
-        r = client.chat.completions.create(
-            model="policy",
-            messages=MESSAGES,
-            max_tokens=12,
-            n=3,
-            seed=1234,
-            extra_body={"return_token_ids": True},
-        )
-        return [c.model_extra["token_ids"] for c in sorted(r.choices, key=lambda c: c.index)]
-
-    first = ask()
-    assert len(first) == 3 and len({tuple(ids) for ids in first}) == 3
-    assert ask() == first
+    check_n_choices_differ_and_a_seed_repeats_them(node.client())
 
 
 def test_streaming_delivers_the_same_contract(node, model, tokenizer):
-    stream = node.client().chat.completions.create(
-        model="policy",
-        messages=MESSAGES,
-        max_tokens=20,
-        stream=True,
-        logprobs=True,
-        stream_options={"include_usage": True},
-        extra_body={"return_token_ids": True},
-    )
-    text, token_ids, logprobs, prompt_ids, finish, versions, usage = "", [], [], None, None, set(), None
-    for chunk in stream:
-        versions.add(chunk.model_extra["weight_version"])
-        if chunk.usage:
-            usage = chunk.usage
-        for c in chunk.choices:
-            text += c.delta.content or ""
-            token_ids += c.model_extra["token_ids"]
-            logprobs += [e.logprob for e in c.logprobs.content]
-            prompt_ids = c.model_extra.get("prompt_token_ids", prompt_ids)
-            finish = c.finish_reason or finish
-    assert versions == {0} and finish in ("stop", "length")
-    assert text == response_text(tokenizer, token_ids, finish)
-    assert_logprobs_match(model, prompt_ids, token_ids, logprobs)
-    assert usage.completion_tokens == len(token_ids)
+    check_streaming_contract(node.client(), model, tokenizer)
 
 
 def test_concurrent_requests_are_batched_and_stay_exact(node, model):

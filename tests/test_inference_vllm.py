@@ -9,15 +9,23 @@ import pytest
 
 pytest.importorskip("vllm")
 
-import copy  # noqa: E402
 import hashlib  # noqa: E402
-import math  # noqa: E402
 import uuid  # noqa: E402
 
 import httpx  # noqa: E402
 import redis  # noqa: E402
 import torch  # noqa: E402
-from inference_helpers import API_KEY, NodeThread, load_model, recompute_logprobs  # noqa: E402
+from inference_helpers import (  # noqa: E402
+    API_KEY,
+    CHAT_MESSAGES,
+    NodeThread,
+    assert_logprobs_match,
+    check_n_choices_differ_and_a_seed_repeats_them,
+    check_streaming_contract,
+    perturbed_versions,
+    recompute_logprobs,
+    response_text,
+)
 from squall.inference.tiny import build_tiny_model  # noqa: E402
 from squall.shared import bus, schemas  # noqa: E402
 from squall.shared.keys import Keys  # noqa: E402
@@ -26,11 +34,7 @@ from waiting import wait_for  # noqa: E402
 
 torch.set_num_threads(1)
 pytestmark = [pytest.mark.vllm, pytest.mark.redis, pytest.mark.slow]
-MESSAGES = [
-    {"role": "system", "content": "You are terse."},
-    {"role": "user", "content": "Hello! How are you?"},
-]
-TOLERANCE = 1e-4  # float32 on both sides; vLLM's kernels sum in another order than transformers
+MESSAGES = CHAT_MESSAGES
 
 
 @pytest.fixture(scope="module")
@@ -42,14 +46,7 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def models(tiny_dir):
-    """Version 0 (the model directory) and version 1 (every parameter perturbed)."""
-    base = load_model(tiny_dir)
-    changed = copy.deepcopy(base)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for param in changed.parameters():  # tied weights appear once, so they stay tied
-            param.add_(torch.randn(param.shape, generator=gen) * 0.5)
-    return {0: base, 1: changed}
+    return perturbed_versions(tiny_dir)
 
 
 @pytest.fixture(scope="module")
@@ -84,25 +81,12 @@ def node(tiny_dir, run):
     server.stop()
 
 
-def response_text(tokenizer, token_ids, finish_reason):
-    """The documented relation: text is the decoding of token_ids without a final eos."""
-    ids = token_ids[:-1] if finish_reason == "stop" and token_ids[-1] == tokenizer.eos_token_id else token_ids
-    return tokenizer.decode(ids, skip_special_tokens=False)
-
-
 def same_text(text, expected, finish_reason):
     """vLLM's detokenizer holds back a trailing incomplete UTF-8 sequence where decoding the ids
     gives U+FFFD; only a reply cut by max_tokens can end mid-character (docs/inference.md)."""
     if finish_reason == "length":
         return text.rstrip("\ufffd") == expected.rstrip("\ufffd")
     return text == expected
-
-
-def assert_logprobs_match(model, prompt_ids, token_ids, logprobs, tol=TOLERANCE):
-    assert len(logprobs) == len(token_ids)
-    assert all(math.isfinite(x) for x in logprobs)
-    expected = recompute_logprobs(model, prompt_ids, token_ids)
-    assert max(abs(a - b) for a, b in zip(logprobs, expected, strict=True)) < tol
 
 
 def weight_errors(node) -> dict[str, float]:
@@ -143,49 +127,11 @@ def test_chat_returns_token_ids_logprobs_version_and_node(node, models, tokenize
 
 
 def test_n_choices_differ_and_a_seed_repeats_them(node):
-    client = node.client()
-
-    def ask():
-        reply = client.chat.completions.create(
-            model="policy",
-            messages=MESSAGES,
-            max_tokens=12,
-            n=3,
-            seed=1234,
-            extra_body={"return_token_ids": True},
-        )
-        return [c.model_extra["token_ids"] for c in sorted(reply.choices, key=lambda c: c.index)]
-
-    first = ask()
-    assert len(first) == 3 and len({tuple(ids) for ids in first}) == 3
-    assert ask() == first
+    check_n_choices_differ_and_a_seed_repeats_them(node.client())
 
 
 def test_streaming_delivers_the_same_contract(node, models, tokenizer):
-    stream = node.client().chat.completions.create(
-        model="policy",
-        messages=MESSAGES,
-        max_tokens=20,
-        stream=True,
-        logprobs=True,
-        stream_options={"include_usage": True},
-        extra_body={"return_token_ids": True},
-    )
-    text, token_ids, logprobs, prompt_ids, finish, versions, usage = "", [], [], None, None, set(), None
-    for chunk in stream:
-        versions.add(chunk.model_extra["weight_version"])
-        if chunk.usage:
-            usage = chunk.usage
-        for c in chunk.choices:
-            text += c.delta.content or ""
-            token_ids += c.model_extra["token_ids"]
-            logprobs += [e.logprob for e in c.logprobs.content]
-            prompt_ids = c.model_extra.get("prompt_token_ids", prompt_ids)
-            finish = c.finish_reason or finish
-    assert versions == {0} and finish in ("stop", "length")
-    assert text == response_text(tokenizer, token_ids, finish)
-    assert_logprobs_match(models[0], prompt_ids, token_ids, logprobs)
-    assert usage.completion_tokens == len(token_ids)
+    check_streaming_contract(node.client(), models[0], tokenizer, same_text)
 
 
 def test_completions_with_token_ids_and_stop_strings(node, models, tokenizer):
