@@ -218,7 +218,7 @@ def check_streaming_contract(client: Any, model: Any, tokenizer: Any, same_text:
             finish = c.finish_reason or finish
     assert versions == {0} and finish in ("stop", "length")
     expected = response_text(tokenizer, token_ids, finish)
-    assert same_text(text, expected, finish) if same_text is not str.__eq__ else text == expected, (
+    assert same_text(text, expected, finish) if same_text else text == expected, (
         text,
         expected,
     )
