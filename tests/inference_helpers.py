@@ -224,3 +224,29 @@ def check_streaming_contract(client: Any, model: Any, tokenizer: Any, same_text:
     )
     assert_logprobs_match(model, prompt_ids, token_ids, logprobs)
     assert usage.completion_tokens == len(token_ids)
+
+
+def check_completions_contract(client: Any, model: Any, tokenizer: Any, same_text: Any = None) -> None:
+    """/v1/completions on token ids: ids round-trip, text decodes from them, logprobs match the
+    model, and a stop string cuts the same sampled continuation (same seed) before itself."""
+    prompt_ids = tokenizer.encode("The quick brown fox", add_special_tokens=False)
+    base = client.completions.create(
+        model="policy", prompt=prompt_ids, max_tokens=40, seed=5, logprobs=1,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )  # fmt: skip
+    choice = base.choices[0]
+    assert choice.model_extra["prompt_token_ids"] == prompt_ids
+    token_ids = choice.model_extra["token_ids"]
+    assert len(token_ids) == 40 and choice.finish_reason == "length"
+    expected = tokenizer.decode(token_ids, skip_special_tokens=False)
+    assert same_text(choice.text, expected, choice.finish_reason) if same_text else choice.text == expected
+    assert_logprobs_match(model, prompt_ids, token_ids, choice.logprobs.token_logprobs)
+    stop = choice.text[10:12]
+    cut = client.completions.create(
+        model="policy", prompt=prompt_ids, max_tokens=40, seed=5, stop=[stop],
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )  # fmt: skip
+    c = cut.choices[0]
+    assert c.finish_reason == "stop" and c.text == choice.text[: choice.text.index(stop)]
+    assert token_ids[: len(c.model_extra["token_ids"])] == c.model_extra["token_ids"]
+    assert stop in tokenizer.decode(c.model_extra["token_ids"], skip_special_tokens=False)

@@ -15,6 +15,7 @@ from inference_helpers import (
     CHAT_MESSAGES,
     NodeThread,
     assert_logprobs_match,
+    check_completions_contract,
     check_n_choices_differ_and_a_seed_repeats_them,
     check_streaming_contract,
     load_model,
@@ -113,26 +114,7 @@ def test_concurrent_requests_are_batched_and_stay_exact(node, model):
 
 
 def test_completions_with_token_ids_and_stop_strings(node, model, tokenizer):
-    client = node.client()
-    prompt_ids = tokenizer.encode("The quick brown fox", add_special_tokens=False)
-    base = client.completions.create(
-        model="policy", prompt=prompt_ids, max_tokens=40, seed=5, logprobs=1,
-        extra_body={"return_token_ids": True, "ignore_eos": True},
-    )  # fmt: skip
-    choice = base.choices[0]
-    assert choice.model_extra["prompt_token_ids"] == prompt_ids
-    token_ids = choice.model_extra["token_ids"]
-    assert choice.text == tokenizer.decode(token_ids, skip_special_tokens=False)
-    assert_logprobs_match(model, prompt_ids, token_ids, choice.logprobs.token_logprobs)
-    stop = choice.text[10:12]
-    cut = client.completions.create(
-        model="policy", prompt=prompt_ids, max_tokens=40, seed=5, stop=[stop],
-        extra_body={"return_token_ids": True, "ignore_eos": True},
-    )  # fmt: skip
-    c = cut.choices[0]
-    assert c.finish_reason == "stop" and c.text == choice.text[: choice.text.index(stop)]
-    assert token_ids[: len(c.model_extra["token_ids"])] == c.model_extra["token_ids"]
-    assert stop in tokenizer.decode(c.model_extra["token_ids"], skip_special_tokens=False)
+    check_completions_contract(node.client(), model, tokenizer)
 
 
 BAD_REQUESTS = [

@@ -20,6 +20,7 @@ from inference_helpers import (  # noqa: E402
     CHAT_MESSAGES,
     NodeThread,
     assert_logprobs_match,
+    check_completions_contract,
     check_n_choices_differ_and_a_seed_repeats_them,
     check_streaming_contract,
     perturbed_versions,
@@ -135,29 +136,7 @@ def test_streaming_delivers_the_same_contract(node, models, tokenizer):
 
 
 def test_completions_with_token_ids_and_stop_strings(node, models, tokenizer):
-    client = node.client()
-    prompt_ids = tokenizer.encode("The quick brown fox", add_special_tokens=False)
-    base = client.completions.create(
-        model="policy", prompt=prompt_ids, max_tokens=40, seed=5, logprobs=1,
-        extra_body={"return_token_ids": True, "ignore_eos": True},
-    )  # fmt: skip
-    choice = base.choices[0]
-    assert choice.model_extra["prompt_token_ids"] == prompt_ids
-    token_ids = choice.model_extra["token_ids"]
-    assert len(token_ids) == 40 and choice.finish_reason == "length"
-    assert same_text(
-        choice.text, tokenizer.decode(token_ids, skip_special_tokens=False), choice.finish_reason
-    )
-    assert_logprobs_match(models[0], prompt_ids, token_ids, choice.logprobs.token_logprobs)
-    stop = choice.text[10:12]
-    cut = client.completions.create(
-        model="policy", prompt=prompt_ids, max_tokens=40, seed=5, stop=[stop],
-        extra_body={"return_token_ids": True, "ignore_eos": True},
-    )  # fmt: skip
-    c = cut.choices[0]
-    assert c.finish_reason == "stop" and c.text == choice.text[: choice.text.index(stop)]
-    assert token_ids[: len(c.model_extra["token_ids"])] == c.model_extra["token_ids"]
-    assert stop in tokenizer.decode(c.model_extra["token_ids"], skip_special_tokens=False)
+    check_completions_contract(node.client(), models[0], tokenizer, same_text)
 
 
 def test_models_and_health(node):

@@ -245,12 +245,7 @@ def create_app(
             started: set[int] = set()
             completion_tokens = 0
 
-            async def deltas() -> AsyncIterator[Delta]:
-                yield first
-                async for d in stream:
-                    yield d
-
-            async for d in deltas():
+            async for d in _prepend(first, stream):
                 completion_tokens += len(d.token_ids)
                 delta: dict[str, Any] = {}
                 if d.index not in started:
@@ -350,12 +345,7 @@ def create_app(
                     started: set[int] = set()
                     total = 0
 
-                    async def deltas() -> AsyncIterator[Delta]:
-                        yield first
-                        async for d in stream:
-                            yield d
-
-                    async for d in deltas():
+                    async for d in _prepend(first, stream):
                         total += len(d.token_ids)
                         item = choice_body(
                             d.index, d.token_ids, d.logprobs, d.text, d.finish_reason, d.index not in started
@@ -434,6 +424,13 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+
+
+async def _prepend(first: Delta, rest: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
+    """The stream again with its first delta, which was read early to learn the weight version."""
+    yield first
+    async for delta in rest:
+        yield delta
 
 
 async def _collect(stream: AsyncIterator[Delta], n: int, request: Request) -> tuple[dict[int, _Choice], int]:
