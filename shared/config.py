@@ -39,6 +39,9 @@ class RunSection(Section):
     """Seed for shuffling, sampling and initialisation."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     """Log level of every service."""
+    redis_outage_s: float = Field(120.0, gt=0)
+    """How long a service rides through a Redis outage (retrying with backoff) before it exits
+    non-zero naming the URL."""
 
 
 class ModelSection(Section):

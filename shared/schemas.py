@@ -218,7 +218,83 @@ class Event(Message, kw_only=True, tag="event"):
     time: float = msgspec.field(default_factory=time.time)
 
 
-AnyMessage = Task | Trajectory | WeightVersion | WeightApplied | Control | Metrics | Event
+RewardMode = Literal["train", "val"]
+
+
+class RewardPoint(Message, kw_only=True, tag="reward"):
+    """One point of the reward curve (stream `rewards`): a train group or a validation round."""
+
+    version: int  # trainer weight version the rewards were sampled with (train: at dispatch)
+    mode: RewardMode
+    mean: float  # mean reward of the ok attempts (NaN for a validation round with none)
+    count: int  # ok attempts in the mean
+    group_id: str  # the train group, or `round<N>` for validation round N
+    time: float = msgspec.field(default_factory=time.time)
+
+
+ServiceName = Literal["scheduler", "runner", "trainer", "inference", "worker", "monitor"]
+
+
+class Heartbeat(Message, kw_only=True, tag="heartbeat"):
+    """A live process's last word: field `<service>:<instance>` of the hash `heartbeats`.
+
+    Stored as flat JSON (`encode_heartbeat`) so `redis-cli HGETALL` shows it as it is: the
+    fields below plus `stats`' entries at top level. A stale `time` means a dead process.
+    """
+
+    service: ServiceName
+    instance: str  # unique within the service: host-pid, runner id, node name, consumer name
+    time: float = msgspec.field(default_factory=time.time)  # wall clock, seconds
+    pid: int = 0
+    version: int = -1  # weight version the process holds or last saw (-1: none)
+    metrics_port: int = 0  # where its /metrics listens (0: none)
+    stats: dict[str, float] = {}  # service-specific counters and gauges (open_groups, busy...)
+
+    @property
+    def hash_field(self) -> str:
+        return f"{self.service}:{self.instance}"
+
+
+_HEARTBEAT_FIELDS = ("service", "instance", "time", "pid", "version", "metrics_port")
+
+
+def encode_heartbeat(beat: Heartbeat) -> bytes:
+    """Flat JSON: the typed fields, then each stat as its own top-level field."""
+    body: dict[str, Any] = {name: getattr(beat, name) for name in _HEARTBEAT_FIELDS}
+    body["run"] = beat.run
+    for name, value in beat.stats.items():
+        body.setdefault(name, value)
+    return msgspec.json.encode(body)
+
+
+def decode_heartbeat(field: bytes | str, raw: bytes | str, run: str) -> Heartbeat:
+    """Read one heartbeat field back; numeric extras become `stats`, other extras are dropped.
+
+    Raises SchemaError naming what was wrong (not JSON, a wrong type, an unknown service).
+    """
+    name = field.decode() if isinstance(field, bytes) else field
+    service, _, instance = name.partition(":")
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise SchemaError(f"heartbeat {name!r} is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise SchemaError(f"heartbeat {name!r} is not a JSON object")
+    known = {k: body[k] for k in _HEARTBEAT_FIELDS if k in body}
+    known.setdefault("service", service)
+    known.setdefault("instance", instance)
+    stats = {
+        k: float(v)
+        for k, v in body.items()
+        if k not in _HEARTBEAT_FIELDS and k != "run" and isinstance(v, int | float) and not isinstance(v, bool)
+    }
+    try:
+        return msgspec.convert({**known, "run": run, "stats": stats}, Heartbeat, strict=False)
+    except msgspec.ValidationError as exc:
+        raise SchemaError(f"heartbeat {name!r}: {exc}") from None
+
+
+AnyMessage = Task | Trajectory | WeightVersion | WeightApplied | Control | Metrics | Event | RewardPoint | Heartbeat
 
 _encoder = msgspec.msgpack.Encoder()
 _any_decoder = msgspec.msgpack.Decoder(AnyMessage)

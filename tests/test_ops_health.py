@@ -8,8 +8,8 @@ import threading
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry
-from squall.monitor.health import start_health_server
-from squall.monitor.metrics import QueueCollector, standard_metrics
+from squall.ops.health import start_health_server
+from squall.ops.metrics import QueueCollector, standard_metrics
 from squall.shared import bus, schemas
 from squall.shared.keys import GROUP_RUNNERS, Keys
 from squall.shared.ledger import Ledger

@@ -31,7 +31,7 @@ class InferenceMetrics:
         self.weight_version = Gauge(
             "squall_inference_weight_version", "Weight version served now", registry=r
         )
-        # The standard squall name (squall.monitor.metrics), so one rule reads every service.
+        # The standard squall name (squall.ops.metrics), so one rule reads every service.
         self.served_version = Gauge(
             "squall_weight_version", "Policy weight version this process holds", ["role"], registry=r
         ).labels(role="served")

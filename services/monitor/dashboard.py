@@ -19,7 +19,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from squall.shared.keys import Keys
 
-from .metrics import QueueCollector
+from squall.ops.metrics import QueueCollector
 from .state import snapshot
 
 STATIC = Path(__file__).parent / "static"

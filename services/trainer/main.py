@@ -9,7 +9,7 @@ Parts (one module each, wired here and nowhere else):
 - backend (torch | verl)    the model, the loss (losses.py) and the optimizer
 - checkpoint.CheckpointStore model + optimizer + RNG + the done set, write-then-rename
 - publish.Publisher         safetensors + WeightVersion, pruning acknowledged versions
-- monitor.health            /health, /ready (model loaded, not stopping), /metrics: the
+- ops.health               /health, /ready (model loaded, not stopping), /metrics: the
                             standard squall metrics (step, version, trained tokens, tokens/s)
 Exactly-once: an entry is acked only after the checkpoint listing its key is durable; on
 resume the consumer re-reads its own pending entries and skips keys in the done set.
@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 import orjson
-from squall.monitor.metrics import standard_metrics
+from squall.ops.metrics import standard_metrics
 from squall.shared import bus, schemas
 from squall.shared.config import RunConfig
 from squall.shared.keys import EVENTS_MAXLEN, GROUP_TRAINER, METRICS_MAXLEN, Keys
@@ -403,7 +403,7 @@ class Trainer:
 def run(config: RunConfig, backend: str | None = None) -> int:
     """Serve /health at once, build the trainer (the model loads), run until max_steps or a
     SIGTERM/SIGINT; /ready answers 200 only between the model being loaded and a stop."""
-    from squall.monitor.health import start_health_server
+    from squall.ops.health import start_health_server
 
     early_stop: list[int] = []  # a signal that came while the model was loading
     signal.signal(signal.SIGTERM, lambda signum, _frame: early_stop.append(signum))
