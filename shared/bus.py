@@ -88,10 +88,17 @@ def dead_letter(
     reason: str,
     raw: bytes | None,
     group: str = "",
-) -> str:
-    """Record an entry that could not be processed: where from, why, and its original bytes."""
+    pipe: redis.client.Pipeline | None = None,
+) -> str | None:
+    """Record an entry that could not be processed: where from, why, and its original bytes.
+
+    Returns the dead-letter entry's id, or None when queued on `pipe` (a caller's MULTI/EXEC).
+    """
     fields: dict[Any, Any] = {"source": source, "id": entry_id, "group": group, "reason": reason[:2000]}
     fields["raw"] = raw if raw is not None else b""
+    if pipe is not None:
+        pipe.xadd(deadletter_stream, fields, maxlen=DEADLETTER_MAXLEN, approximate=True)
+        return None
     return _text(r.xadd(deadletter_stream, fields, maxlen=DEADLETTER_MAXLEN, approximate=True))
 
 

@@ -12,11 +12,12 @@ from dataclasses import dataclass
 PREFIX = "squall"
 RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
-# Consumer groups. `tasks` is read by runners; `trajectories` by three independent groups.
+# Consumer groups. `tasks` is read by runners; `trajectories` by two independent groups.
+# Nothing else reads through a group: the dashboard and `squall peek` read with XREVRANGE and
+# need no acknowledgement, so no group of theirs may hold back trimming.
 GROUP_RUNNERS = "runners"
 GROUP_TRAINER = "trainer"
 GROUP_SCHEDULER = "scheduler"
-GROUP_MONITOR = "monitor"
 
 # Streams capped with MAXLEN ~ because losing their oldest entries is harmless.
 METRICS_MAXLEN = 100_000
@@ -47,7 +48,7 @@ class Keys:
 
     @property
     def trajectories(self) -> str:
-        """One entry per finished attempt (Trajectory). Groups `trainer`, `scheduler`, `monitor`."""
+        """One entry per finished attempt (Trajectory). Groups `trainer`, `scheduler`."""
         return self.key_for("trajectories")
 
     @property
@@ -140,5 +141,5 @@ class Keys:
         if stream == self.tasks:
             return (GROUP_RUNNERS,)
         if stream == self.trajectories:
-            return (GROUP_TRAINER, GROUP_SCHEDULER, GROUP_MONITOR)
+            return (GROUP_TRAINER, GROUP_SCHEDULER)
         return ()
