@@ -103,7 +103,7 @@ class QueueCollector(Collector):
         self.r, self.keys = r, keys
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        from .state import group_rows, ledger_summary, stream_lengths
+        from squall.monitor.state import group_rows, ledger_summary, stream_lengths
 
         lag = GaugeMetricFamily(
             "squall_queue_lag_entries", "Entries not yet delivered to a group", labels=["stream", "group"]
