@@ -213,6 +213,55 @@ class InferenceSection(Section):
     """vllm backend: share of GPU memory vLLM may take."""
 
 
+class WorkerSection(Section):
+    """The tool pool (`squall worker`, services/worker): rq workers that run agents' tool calls
+    (model-written code, retrieval, SQL, judges) apart from the runners."""
+
+    queues: list[Literal["code", "retrieval", "sql", "judge"]] = []
+    """Tools this run's pool serves, one rq queue each; empty: `squall up` starts no pool."""
+    workers: int = Field(2, ge=1, le=256)
+    """rq worker processes one `squall worker` starts (each runs one job at a time)."""
+    job_timeout_s: int = Field(30, ge=1)
+    """Longest a job may run before rq kills its work horse (a caller's shorter deadline wins)."""
+    result_ttl_s: int = Field(300, ge=1)
+    """How long a finished job's result stays in Redis."""
+    failure_ttl_s: int = Field(86400, ge=1)
+    """How long a failed job stays in rq's failed registry (`rq info`, `squall status`)."""
+    retries: int = Field(0, ge=0, le=10)
+    """rq retries of a failed or abandoned job (a worker killed mid-job)."""
+    maintenance_s: int = Field(15, ge=1)
+    """How often a worker moves abandoned jobs (their worker died) to failed or retries them."""
+    deadline_s: float = Field(30.0, gt=0)
+    """A tool call's deadline when the caller gives none (enqueue to result)."""
+    http_host: str = "127.0.0.1"
+    """Where `squall worker --http` serves the tools over HTTP for external-command agents."""
+    http_port: int = Field(0, ge=0, le=65535)
+    """Port of the tools' HTTP API (0: not served)."""
+    sandbox_python: str = ""
+    """Interpreter of sandboxed code (empty: the worker's own, or the system python3 when a
+    sandbox uid could not reach it)."""
+    code_cpu_s: int = Field(5, ge=1, le=3600)
+    """Sandbox: CPU seconds per run."""
+    code_wall_s: float = Field(10.0, gt=0, le=3600)
+    """Sandbox: wall-clock seconds per run."""
+    code_memory_mb: int = Field(512, ge=32)
+    """Sandbox: address-space limit in MB."""
+    code_file_mb: int = Field(8, ge=0)
+    """Sandbox: largest file the code may write, MB."""
+    code_processes: int = Field(16, ge=1)
+    """Sandbox: processes and threads at once."""
+    code_output_bytes: int = Field(65536, ge=1)
+    """Sandbox: stdout + stderr kept; more kills the run."""
+    corpora: dict[str, str] = {}
+    """Retrieval: corpus name -> .jsonl file of {id, title, text} rows (BM25-indexed at start)."""
+    databases: dict[str, str] = {}
+    """SQL and the `sql` judge: database name -> SQLite file (opened read-only)."""
+    sql_timeout_s: float = Field(2.0, gt=0)
+    """SQL: a query running longer is interrupted."""
+    sql_max_rows: int = Field(50, ge=1)
+    """SQL: rows returned at most (the rest is cut and marked)."""
+
+
 class RunConfig(Section):
     """The whole run file."""
 
@@ -222,6 +271,7 @@ class RunConfig(Section):
     runner: RunnerSection = RunnerSection()
     trainer: TrainerSection = TrainerSection()
     inference: InferenceSection = InferenceSection()
+    worker: WorkerSection = WorkerSection()
 
     def to_json(self) -> str:
         return self.model_dump_json()

@@ -31,3 +31,9 @@ class WeightsError(SquallError):
 
 class AgentError(SquallError):
     """The user's agent failed: raised, returned no usable reward, or broke the contract."""
+
+
+class ToolError(SquallError):
+    """A tool call of the pool (services/worker) failed: bad arguments, an unknown tool, the
+    job failed, hit a limit or missed the caller's deadline. The message is what an agent
+    shows its model, as it would any tool error."""

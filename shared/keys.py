@@ -19,6 +19,9 @@ GROUP_RUNNERS = "runners"
 GROUP_TRAINER = "trainer"
 GROUP_SCHEDULER = "scheduler"
 
+# rq (the tool pool, services/worker) keeps its own keys under this prefix, outside any run.
+RQ_PREFIX = "rq"
+
 # Streams capped with MAXLEN ~ because losing their oldest entries is harmless.
 METRICS_MAXLEN = 100_000
 EVENTS_MAXLEN = 100_000
@@ -121,6 +124,12 @@ class Keys:
     def rewards(self) -> str:
         """Stream of (version, mode, mean reward) points for the reward curve, capped."""
         return self.key_for("rewards")
+
+    # --- the tool pool (rq) ------------------------------------------------------
+    def tool_queue(self, tool: str) -> str:
+        """rq queue name of one tool of the run's pool (`squall worker`); rq itself keeps the
+        queue under `rq:queue:<this name>` and its jobs under `rq:job:<id>` (RQ_PREFIX)."""
+        return self.key_for(f"tools:{tool}")
 
     def stream_names(self) -> dict[str, str]:
         """Short name -> full key of every stream, for `squall peek` and status."""
