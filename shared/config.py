@@ -97,6 +97,9 @@ class SchedulerSection(Section):
     takes the lead once it is older (the other died); heartbeats come every third of it."""
     poll_s: float = Field(0.5, gt=0, le=30)
     """Longest blocking wait of the scheduler loop (trajectories, then admission checks)."""
+    trim_every_s: float = Field(10.0, gt=0)
+    """How often the scheduler trims `tasks`/`trajectories` below what every group acknowledged
+    and prunes heartbeats of long-gone processes."""
 
 
 class RunnerSection(Section):
