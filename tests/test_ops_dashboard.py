@@ -18,6 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
+from optional import installed, need
+
 from squall.monitor.state import snapshot
 from squall.shared import bus, schemas
 from squall.shared.keys import GROUP_RUNNERS, GROUP_SCHEDULER, GROUP_TRAINER, Keys
@@ -94,11 +96,12 @@ class SyntheticRun:
         self.ledger.filtered([d.message.key for d in trained[3:]], "overlong")
         self.trainer.ack([d.entry_id for d in trained])
         mean = sum(rewards) / len(rewards)
-        self.r.xadd(self.keys.rewards, {"version": self.version, "mode": "train", "mean": mean, "count": 4,
-                                        "group_id": f"g{self.group}", "time": time.time()})  # fmt: skip
+        bus.publish(self.r, self.keys.rewards, schemas.RewardPoint(
+            run=self.run, version=self.version, mode="train", mean=mean, count=4, group_id=f"g{self.group}"))  # fmt: skip
         if self.group % 2 == 1:
-            self.r.xadd(self.keys.rewards, {"version": self.version, "mode": "val", "mean": mean - 0.05,
-                                            "count": 8, "group_id": f"round{self.group}", "time": time.time()})  # fmt: skip
+            bus.publish(self.r, self.keys.rewards, schemas.RewardPoint(
+                run=self.run, version=self.version, mode="val", mean=mean - 0.05, count=8,
+                group_id=f"round{self.group}"))  # fmt: skip
         self.version += 1
         bus.publish(self.r, self.keys.metrics, schemas.Metrics(
             run=self.run, step=self.version, version=self.version,
@@ -203,11 +206,10 @@ def test_dashboard_http_api_key_and_metrics(r, redis_url, run_name):
 @pytest.mark.slow
 @pytest.mark.browser
 def test_dashboard_in_headless_chromium_follows_a_live_run(r, redis_url, run_name):
-    if CHROMIUM is None:
-        pytest.skip("chromium is not installed (apt-get install chromium)")
-    sync_api = pytest.importorskip(
-        "playwright.sync_api", reason="playwright is not installed (pip install playwright)"
-    )
+    need("browser", CHROMIUM is not None, "chromium is not installed (apt-get install chromium)")
+    need("browser", installed("playwright"), "playwright is not installed (pip install playwright)")
+    from playwright import sync_api
+
     run = SyntheticRun(r, run_name)
     for _ in range(6):
         run.step()

@@ -103,7 +103,7 @@ class QueueCollector(Collector):
         self.r, self.keys = r, keys
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        from squall.monitor.state import group_rows, ledger_summary, stream_lengths
+        from squall.shared.runstate import read_snapshot
 
         lag = GaugeMetricFamily(
             "squall_queue_lag_entries", "Entries not yet delivered to a group", labels=["stream", "group"]
@@ -119,16 +119,16 @@ class QueueCollector(Collector):
             "squall_ledger_balanced", "1 when every dispatched attempt is in one state"
         )
         try:
-            for name, n in stream_lengths(self.r, self.keys).items():
-                length.add_metric([name], n)
-            for row in group_rows(self.r, self.keys):
-                if row["lag"] is not None:
-                    lag.add_metric([row["stream"], row["group"]], row["lag"])
-                pending.add_metric([row["stream"], row["group"]], row["pending"])
-            summary = ledger_summary(self.r, self.keys)
-            for state, n in summary["counts"].items():
-                ledger.add_metric([state], n)
-            balanced.add_metric([], 1.0 if summary["balanced"] else 0.0)
+            snap = read_snapshot(self.r, self.keys, rewards=0, metrics=0, recent=0)
         except Exception:  # a scrape must not fail because Redis is briefly away
             return
+        for name, stream in snap.streams.items():
+            length.add_metric([name], stream.length)
+        for group in snap.groups:
+            if group.lag is not None:
+                lag.add_metric([group.stream, group.group], group.lag)
+            pending.add_metric([group.stream, group.group], group.pending)
+        for state, n in snap.ledger.counts.items():
+            ledger.add_metric([state], n)
+        balanced.add_metric([], 1.0 if snap.ledger.balanced else 0.0)
         yield from (lag, pending, length, ledger, balanced)

@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from typing import Any
 
 from squall.shared.cliargs import add_common_arguments
-
-STALE_AFTER_S = 15.0  # a heartbeat older than this marks its process as gone
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,62 +20,56 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rewards", type=int, default=10, help="recent reward points to show (default 10)")
 
 
-def collect(r: Any, run: str, rewards: int = 10) -> dict[str, Any]:
-    """Everything `squall status` shows, as plain data."""
-    from squall.shared.keys import Keys
-    from squall.shared.ledger import Ledger
-
-    keys = Keys(run)
-    ledger = Ledger(r, keys).counts()
-    dispatched = ledger.get("dispatched", 0)
-    states = {k: v for k, v in ledger.items() if k != "dispatched"}
+def _streams(snap: Any) -> dict[str, Any]:
     streams: dict[str, Any] = {}
-    for name, key in keys.stream_names().items():
-        info: dict[str, Any] = {"length": int(r.xlen(key))}
-        try:
-            groups = r.xinfo_groups(key)
-        except Exception:  # the stream does not exist yet
-            groups = []
-        if groups:
+    for name, stream in snap.streams.items():
+        info: dict[str, Any] = {"length": stream.length}
+        if stream.groups:
             info["groups"] = {
-                _text(g["name"]): {
-                    "pending": int(g["pending"]),
-                    "lag": g.get("lag"),
-                    "consumers": int(g["consumers"]),
-                }
-                for g in groups
+                g.group: {"pending": g.pending, "lag": g.lag, "consumers": g.consumers} for g in stream.groups
             }
         streams[name] = info
-    now = time.time()
-    processes = {}
-    for field, raw in r.hgetall(keys.heartbeats).items():
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            body = {}
-        age = now - float(body.get("time", 0))
-        processes[_text(field)] = {**body, "age_s": round(age, 1), "alive": age < STALE_AFTER_S}
-    versions = {_text(k): int(v) for k, v in r.hgetall(keys.versions).items()}
-    points = []
-    for entry_id, fields in reversed(r.xrevrange(keys.rewards, count=rewards)):
-        point = {_text(k): _text(v) for k, v in fields.items()}
-        points.append({"id": _text(entry_id), "version": int(point.get("version", -1)), "mode": point.get("mode"),
-                       "mean": float(point.get("mean", "nan")), "count": int(point.get("count", 0))})  # fmt: skip
-    scheduler = {_text(k): _text(v) for k, v in r.hgetall(keys.scheduler_state).items()}
+    return streams
+
+
+def _processes(snap: Any) -> dict[str, Any]:
+    out = {}
+    for p in snap.processes:
+        beat_time = p.beat.time if p.beat is not None else None
+        age = round(p.age_s, 1) if p.age_s is not None else None
+        out[p.id] = {"time": beat_time, **p.fields(), "age_s": age, "alive": p.alive}
+    return out
+
+
+def _rewards(snap: Any, count: int) -> list[dict[str, Any]]:
+    points = (
+        sorted([*snap.train_rewards, *snap.val_rewards], key=lambda p: p.time)[-count:] if count > 0 else []
+    )
+    return [{"version": p.version, "mode": p.mode, "mean": p.mean, "count": p.count, "group_id": p.group_id}
+            for p in points]  # fmt: skip
+
+
+def collect(r: Any, run: str, rewards: int = 10) -> dict[str, Any]:
+    """Everything `squall status` shows, as plain data (shared.runstate's snapshot, rendered)."""
+    from squall.shared.keys import Keys
+    from squall.shared.runstate import read_snapshot
+
+    snap = read_snapshot(r, Keys(run), rewards=max(rewards, 0), metrics=0)
     return {
         "run": run,
         "ledger": {
-            "dispatched": dispatched,
-            "states": states,
-            "balanced": sum(states.values()) == dispatched,
+            "dispatched": snap.ledger.dispatched,
+            "states": snap.ledger.counts,
+            "balanced": snap.ledger.balanced,
         },
-        "streams": streams,
-        "processes": processes,
-        "runners_alive": sum(1 for k, p in processes.items() if k.startswith("runner:") and p["alive"]),
-        "versions": versions,
-        "open_groups": int(r.hlen(keys.groups)),
-        "scheduler": scheduler,
-        "rewards": points,
+        "streams": _streams(snap),
+        "processes": _processes(snap),
+        "runners_alive": len(snap.alive("runner")),
+        "versions": snap.versions.raw,
+        "open_groups": snap.open_groups,
+        "scheduler": snap.scheduler,
+        "rewards": _rewards(snap, rewards),
+        "skipped": snap.skipped,
     }
 
 
@@ -99,7 +90,8 @@ def render(status: dict[str, Any]) -> str:
     for name, body in sorted(status["processes"].items()):
         state = "alive" if body["alive"] else "GONE"
         extra = {k: v for k, v in body.items() if k not in ("time", "age_s", "alive")}
-        lines.append(f"  {name:<40} {state:<5} {body['age_s']:>7}s ago  {json.dumps(extra)[:120]}")
+        age = "-" if body["age_s"] is None else body["age_s"]
+        lines.append(f"  {name:<40} {state:<5} {age:>7}s ago  {json.dumps(extra)[:120]}")
     versions = "  ".join(f"{k}={v}" for k, v in sorted(status["versions"].items())) or "(none yet)"
     lines.append(f"versions   {versions}")
     sched = status["scheduler"]
@@ -122,7 +114,3 @@ def main(args: argparse.Namespace) -> int:
     status = collect(r, config.run.name, args.rewards)
     print(json.dumps(status, indent=2) if args.json else render(status))
     return 0 if status["ledger"]["balanced"] else 1
-
-
-def _text(value: Any) -> Any:
-    return value.decode() if isinstance(value, bytes) else value

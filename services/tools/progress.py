@@ -2,55 +2,40 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
 import redis
-from squall.shared import schemas
+
 from squall.shared.keys import Keys
-from squall.shared.ledger import Ledger
+from squall.shared.runstate import RunSnapshot, read_snapshot
+
+RECENT_GROUPS = 16  # train groups averaged into the progress line's train_reward
 
 
-def _reward_points(r: redis.Redis, keys: Keys) -> tuple[list[dict], list[dict]]:
-    """The scheduler's `rewards` stream: train points per group, val points per round."""
-    train, val = [], []
-    for _, fields in r.xrange(keys.rewards):
-        point = {k.decode(): v.decode() for k, v in fields.items()}
-        try:
-            entry = {"version": int(point["version"]), "mean": float(point["mean"]), "count": int(point.get("count", 0)),
-                     "time": float(point.get("time", 0))}  # fmt: skip
-        except (KeyError, ValueError):
-            continue
-        if math.isfinite(entry["mean"]):
-            (val if point.get("mode") == "val" else train).append(entry)
-    return train, val
+def _points(points: list[Any]) -> list[dict[str, Any]]:
+    return [{"version": p.version, "mean": p.mean, "count": p.count, "time": p.time} for p in points]
+
+
+def render(snap: RunSnapshot) -> dict[str, Any]:
+    """The run as `squall up` prints and saves it: every reward point, the newest step."""
+    recent = snap.train_rewards[-RECENT_GROUPS:]
+    last = snap.metrics.last
+    return {
+        "ledger": snap.ledger.with_dispatched(),
+        "balanced": snap.ledger.balanced,
+        "versions": snap.versions.raw,
+        "train": _points(snap.train_rewards),
+        "val": _points(snap.val_rewards),
+        "step": last.step if last is not None else 0,
+        "tokens_per_s": snap.metrics.latest("tokens_per_s", "throughput/tokens_per_s"),
+        "train_reward": sum(p.mean for p in recent) / len(recent) if recent else float("nan"),
+    }
 
 
 def snapshot(r: redis.Redis, keys: Keys) -> dict[str, Any]:
-    ledger = Ledger(r, keys)
-    versions = {k.decode(): int(v) for k, v in r.hgetall(keys.versions).items()}
-    train, val = _reward_points(r, keys)
-    last = r.xrevrange(keys.metrics, count=1)
-    step, tokens_per_s = 0, 0.0
-    if last:
-        metrics = schemas.decode(last[0][1][schemas.ENTRY_FIELD], schemas.Metrics)
-        step = metrics.step
-        tokens_per_s = float(
-            metrics.values.get("tokens_per_s", metrics.values.get("throughput/tokens_per_s", 0.0))
-        )
-    recent = train[-16:]
-    train_reward = sum(p["mean"] for p in recent) / len(recent) if recent else float("nan")
-    return {
-        "ledger": ledger.counts(),
-        "balanced": ledger.balanced(),
-        "versions": versions,
-        "train": train,
-        "val": val,
-        "step": step,
-        "tokens_per_s": tokens_per_s,
-        "train_reward": train_reward,
-    }
+    """Every reward point (the whole curve) and only the newest metrics message."""
+    return render(read_snapshot(r, keys, rewards=None, metrics=1, recent=0))
 
 
 def plot_curve(snap: dict[str, Any], path: Path) -> Path | None:
