@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("squall.scheduler.status", "show streams, lag, ledger, runners, versions, rewards"),
     "dashboard": ("squall.monitor.cli", "serve the live web dashboard"),
     "acl": ("squall.monitor.acl", "write a Redis ACL file with one least-privilege user per service"),
+    "worker": ("squall.worker.cli", "run the tool pool: rq workers for code, retrieval, SQL and judge jobs"),
     "redis": ("squall.tools.redis_cmd", "run a local Redis-compatible server"),
     "peek": ("squall.tools.peek", "print stream entries decoded to JSON"),
 }
