@@ -21,6 +21,11 @@ from waiting import wait_for
 pytestmark = pytest.mark.redis
 
 
+def reward_points(r, keys) -> list[schemas.RewardPoint]:
+    """The reward curve as the scheduler wrote it (RewardPoint messages on `rewards`)."""
+    return [schemas.decode(f[schemas.ENTRY_FIELD], schemas.RewardPoint) for _, f in r.xrange(keys.rewards)]
+
+
 def make_config(redis_url, run, dataset, trainer=None, **scheduler):
     scheduler.setdefault("hold_until_trained", False)  # no trainer in these tests
     return load_config(
@@ -79,8 +84,8 @@ def test_run_to_completion_with_epochs_and_ledger(r, redis_url, run_name, tmp_pa
     assert sorted(t.sample_id for t in trajs) == sorted([f"s{i}" for i in range(5)] * 4)
     assert all(t.reward == int(t.sample_id[1:]) % 2 for t in trajs)
     assert [e.fields["reason"] for e in events(r, run_name, "finished")] == ["dataset_exhausted"]
-    points = r.xrange(keys.rewards)
-    assert len(points) == 10 and {p[1][b"mode"] for p in points} == {b"train"}
+    points = reward_points(r, keys)
+    assert len(points) == 10 and {p.mode for p in points} == {"train"}
     status = collect(r, run_name)
     assert status["ledger"]["balanced"] and status["open_groups"] == 0
     assert status["streams"]["trajectories"]["groups"]["scheduler"]["pending"] == 0
@@ -136,17 +141,17 @@ def test_validation_rounds_every_k_versions(r, redis_url, run_name, tmp_path, pr
 
     def val_points():
         sched.step()
-        return [f for _, f in r.xrange(keys.rewards) if f[b"mode"] == b"val"]
+        return [p for p in reward_points(r, keys) if p.mode == "val"]
 
     first = wait_for(val_points, 30, "the first validation round")
-    assert int(first[0][b"version"]) == 0 and float(first[0][b"mean"]) == pytest.approx(expected_mean)
+    assert first[0].version == 0 and first[0].mean == pytest.approx(expected_mean)
     r.hset(keys.versions, "trainer", 1)  # not yet: every 2 versions
     for _ in range(5):
         sched.step()
-    assert len([f for _, f in r.xrange(keys.rewards) if f[b"mode"] == b"val"]) == 1
+    assert len([p for p in reward_points(r, keys) if p.mode == "val"]) == 1
     r.hset(keys.versions, "trainer", 2)
     points = wait_for(lambda: len(val_points()) == 2 and val_points(), 30, "the second round")
-    assert int(points[1][b"version"]) == 2
+    assert points[1].version == 2
     val_trajs = [t for t in trajectories(r, run_name) if t.mode == "val"]
     assert len(val_trajs) == 8 and all(Ledger(r, keys).state_of(t.key) == "validated" for t in val_trajs)
     while sched.step():
