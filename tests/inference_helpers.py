@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from squall.inference.node import InferenceNode
 from squall.shared.config import load_config
 

@@ -10,10 +10,11 @@ import httpx
 import pytest
 import torch
 from inference_helpers import NodeThread, perturbed_versions, recompute_logprobs
+from waiting import wait_for
+
 from squall.inference.tiny import build_tiny_model
 from squall.shared import bus, schemas
 from squall.shared.keys import Keys
-from waiting import wait_for
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.redis

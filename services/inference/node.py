@@ -22,6 +22,7 @@ import socket
 import threading
 
 import structlog
+
 from squall.shared.config import RunConfig
 from squall.shared.errors import ConfigError
 from squall.shared.keys import Keys
@@ -129,6 +130,7 @@ class InferenceNode:
 
     async def _redis(self):
         import redis.asyncio
+
         from squall.shared.redisconn import SOCKET_TIMEOUT_S, connect
 
         run = self.config.run

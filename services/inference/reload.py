@@ -19,6 +19,7 @@ from typing import Any
 
 import redis
 import structlog
+
 from squall.shared import schemas
 from squall.shared.errors import SchemaError, WeightsError
 from squall.shared.keys import Keys

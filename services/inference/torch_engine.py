@@ -32,6 +32,7 @@ from typing import Any
 import structlog
 import torch
 import torch.nn.functional as F
+
 from squall.shared.config import InferenceSection
 from squall.shared.errors import WeightsError
 

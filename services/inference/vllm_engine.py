@@ -34,6 +34,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import structlog
+
 from squall.shared.config import InferenceSection
 from squall.shared.errors import WeightsError
 

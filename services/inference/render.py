@@ -1,0 +1,291 @@
+"""Response bodies of the OpenAI-compatible API: what the routes send back, and nothing else.
+
+Chat and text completions (whole bodies and SSE chunks), tool calls in a chat message, logprob
+entries, usage, the `weight_version`/`node` fields and the `x-squall-weight-version` header.
+No function here reads a request or touches the engine; `routes.py` decides, this module
+spells the answer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from fastapi.responses import Response, StreamingResponse
+
+from .engine import Delta
+from .protocol import ApiError
+from .tools import parse_tool_calls
+
+VERSION_HEADER = "x-squall-weight-version"
+LOGPROB_FLOOR = -1e4  # a logprob that underflowed to -inf is sent as this (JSON has no infinity)
+
+
+class Choice:
+    """One choice of a non-streaming request, as its deltas arrive."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+
+    def add(self, delta: Delta) -> None:
+        self.token_ids += delta.token_ids
+        self.logprobs += delta.logprobs
+        self.text += delta.text
+        self.finish_reason = delta.finish_reason or self.finish_reason
+
+
+class TokenTexts:
+    """Text and UTF-8 bytes of single token ids, each decoded once (logprob entries name tokens)."""
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self.decode = decode
+        self.known: dict[int, tuple[str, list[int]]] = {}  # token id -> (text, its UTF-8 bytes)
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        known = self.known.get(token_id)
+        if known is None:
+            text = self.decode([token_id])
+            known = self.known[token_id] = (text, list(text.encode()))
+        return known
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What every body and chunk of one response shares."""
+
+    meta: dict[str, Any]  # id, created, model
+    node: str  # this node's id, in every body
+    prompt_ids: list[int]  # the prompt as tokenized (sent with return_token_ids)
+    token_texts: TokenTexts
+    logprobs: bool  # the request asked for logprobs
+    return_token_ids: bool  # the request asked for token ids
+    prefix: str = ""  # chat: the tool_choice prefill, part of the prompt, shown in the content
+    tool_choice: str | None = None  # chat: None = no tools offered, so no tool-call parsing
+
+    def logprob_entries(self, ids: list[int], logprobs: list[float]) -> list[dict[str, Any]]:
+        entries = []
+        for token_id, logprob in zip(ids, logprobs, strict=True):
+            text, raw = self.token_texts(token_id)
+            value = logprob if math.isfinite(logprob) else LOGPROB_FLOOR
+            entries.append({"token": text, "logprob": value, "bytes": raw, "top_logprobs": []})
+        return entries
+
+    def chunk(self, obj: str, choices: list[dict[str, Any]], version: int, **extra: Any) -> bytes:
+        """One SSE event of a stream."""
+        body = {**self.meta, "object": obj, "choices": choices, **extra, "weight_version": version,
+                "node": self.node}  # fmt: skip
+        return b"data: " + orjson.dumps(body) + b"\n\n"
+
+
+def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(data), status_code=status, media_type="application/json", headers=headers)
+
+
+def error_response(error: ApiError) -> Response:
+    return json_response(error.body(), error.status)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completed(
+    reply: Reply, obj: str, choices: list[dict[str, Any]], version: int, completion_tokens: int
+) -> Response:
+    """A whole (non-streaming) body: choices, usage, weight version and node, version header."""
+    body = {**reply.meta, "object": obj, "choices": choices}
+    body.update(
+        usage=usage(len(reply.prompt_ids), completion_tokens), weight_version=version, node=reply.node
+    )
+    return json_response(body, headers={VERSION_HEADER: str(version)})
+
+
+# --- chat completions ---------------------------------------------------------------------
+
+
+def chat_message(reply: Reply, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+    """The assistant message of a finished choice and its finish_reason (tool calls parsed)."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if reply.tool_choice is not None:
+        content, calls = parse_tool_calls(reply.prefix + text)
+        if calls:
+            return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+        if reply.prefix:
+            message["content"] = reply.prefix + text
+    return message, finish
+
+
+def chat_choice(reply: Reply, index: int, c: Choice) -> dict[str, Any]:
+    message, finish = chat_message(reply, c.text, c.finish_reason)
+    item: dict[str, Any] = {"index": index, "message": message, "finish_reason": finish, "logprobs": None}
+    if reply.logprobs:
+        item["logprobs"] = {"content": reply.logprob_entries(c.token_ids, c.logprobs)}
+    if reply.return_token_ids:
+        item["prompt_token_ids"], item["token_ids"] = reply.prompt_ids, c.token_ids
+    return item
+
+
+def chat_completion(reply: Reply, choices: dict[int, Choice], version: int) -> Response:
+    out = [chat_choice(reply, index, c) for index, c in sorted(choices.items())]
+    return completed(reply, "chat.completion", out, version, completion_tokens(choices))
+
+
+class _ChatStream:
+    """Per-choice state of a streamed chat completion."""
+
+    def __init__(self, reply: Reply) -> None:
+        self.reply = reply
+        self.buffered: dict[int, str] = {}  # index -> text held back to parse tool calls at the end
+        self.started: set[int] = set()
+
+    def delta(self, d: Delta) -> dict[str, Any]:
+        delta: dict[str, Any] = {}
+        if d.index not in self.started:
+            delta["role"] = "assistant"
+        if self.reply.tool_choice is not None:
+            text = self.buffered[d.index] = self.buffered.get(d.index, self.reply.prefix) + d.text
+            if d.finish_reason:
+                content, calls = parse_tool_calls(text)
+                if calls:
+                    delta["content"] = content
+                    delta["tool_calls"] = [{**call, "index": k} for k, call in enumerate(calls)]
+                else:
+                    delta["content"] = text
+        elif d.text or d.index not in self.started:
+            delta["content"] = d.text
+        return delta
+
+    def item(self, d: Delta) -> dict[str, Any]:
+        reply, delta = self.reply, self.delta(d)
+        item: dict[str, Any] = {"index": d.index, "delta": delta, "finish_reason": None, "logprobs": None}
+        if d.finish_reason:
+            item["finish_reason"] = "tool_calls" if delta.get("tool_calls") else d.finish_reason
+        if reply.logprobs:
+            item["logprobs"] = {"content": reply.logprob_entries(d.token_ids, d.logprobs)}
+        if reply.return_token_ids:
+            item["token_ids"] = d.token_ids
+            if d.index not in self.started:
+                item["prompt_token_ids"] = reply.prompt_ids
+        self.started.add(d.index)
+        return item
+
+
+async def chat_chunks(
+    reply: Reply,
+    first: Delta,
+    stream: AsyncIterator[Delta],
+    *,
+    include_usage: bool,
+    on_done: Callable[[int], None],
+) -> AsyncIterator[bytes]:
+    """The SSE events of a streamed chat completion; `on_done(completion tokens)` at its end."""
+    version, state, completion_tokens = first.weight_version, _ChatStream(reply), 0
+    async for d in prepend(first, stream):
+        completion_tokens += len(d.token_ids)
+        yield reply.chunk("chat.completion.chunk", [state.item(d)], version)
+    on_done(completion_tokens)
+    if include_usage:
+        tokens = usage(len(reply.prompt_ids), completion_tokens)
+        yield reply.chunk("chat.completion.chunk", [], version, usage=tokens)
+
+
+# --- text completions ---------------------------------------------------------------------
+
+
+def text_choice(
+    reply: Reply,
+    index: int,
+    ids: list[int],
+    logprobs: list[float],
+    text: str,
+    finish: str | None,
+    first: bool,
+) -> dict[str, Any]:
+    """One choice of a text completion (`first`: its first chunk, which carries the prompt ids)."""
+    item: dict[str, Any] = {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
+    if reply.logprobs:
+        entries = reply.logprob_entries(ids, logprobs)
+        item["logprobs"] = {
+            "tokens": [e["token"] for e in entries],
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": None,
+            "text_offset": [],
+            "content": entries,
+        }
+    if reply.return_token_ids:
+        item["token_ids"] = ids
+        if first:
+            item["prompt_token_ids"] = reply.prompt_ids
+    return item
+
+
+def text_completion(reply: Reply, choices: dict[int, Choice], version: int) -> Response:
+    out = [
+        text_choice(reply, i, c.token_ids, c.logprobs, c.text, c.finish_reason, True)
+        for i, c in sorted(choices.items())
+    ]
+    return completed(reply, "text_completion", out, version, completion_tokens(choices))
+
+
+async def text_chunks(
+    reply: Reply, first: Delta, stream: AsyncIterator[Delta], *, on_done: Callable[[int], None]
+) -> AsyncIterator[bytes]:
+    """The SSE events of a streamed text completion; `on_done(completion tokens)` at its end."""
+    started: set[int] = set()
+    total = 0
+    async for d in prepend(first, stream):
+        total += len(d.token_ids)
+        item = text_choice(
+            reply, d.index, d.token_ids, d.logprobs, d.text, d.finish_reason, d.index not in started
+        )
+        started.add(d.index)
+        yield reply.chunk("text_completion", [item], first.weight_version)
+    on_done(total)
+
+
+# --- streaming ----------------------------------------------------------------------------
+
+
+async def prepend(first: Delta, rest: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
+    """The stream again with its first delta, which was read early to learn the weight version."""
+    yield first
+    async for delta in rest:
+        yield delta
+
+
+def event_stream(version: int, chunks: AsyncIterator[bytes], stream: AsyncIterator[Delta]) -> Response:
+    """Server-sent events: `chunks`, an in-band error if generation fails midway, then [DONE].
+
+    `version` (of the first delta, already read) goes in the header; `stream` is closed at the
+    end whatever happens, so the engine drops the request's sequences.
+    """
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except Exception as exc:  # the status line is gone: report in-band, as OpenAI does
+            yield b"data: " + orjson.dumps(ApiError(500, f"generation failed: {exc}").body()) + b"\n\n"
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(
+        body(),
+        media_type="text/event-stream",
+        headers={VERSION_HEADER: str(version), "cache-control": "no-cache"},
+    )
+
+
+def completion_tokens(choices: dict[int, Choice]) -> int:
+    return sum(len(c.token_ids) for c in choices.values())
