@@ -13,8 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 from runner_helpers import Procs, dispatch, trajectories
-from squall.shared.localredis import free_port
 from waiting import wait_for
+
+from squall.shared.localredis import free_port
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 

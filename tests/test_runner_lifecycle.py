@@ -10,10 +10,11 @@ import time
 import httpx
 import pytest
 from runner_helpers import Procs, dispatch, trajectories
+from waiting import wait_for
+
 from squall.shared import bus, schemas
 from squall.shared.keys import Keys
 from squall.shared.ledger import Ledger
-from waiting import wait_for
 
 pytestmark = pytest.mark.redis
 

@@ -27,7 +27,8 @@ def main(args: argparse.Namespace) -> int:
     import asyncio
 
     from squall.shared.cliargs import config_from_args
-    from squall.shared.logs import configure_logging
+    from squall.shared.errors import RedisUnavailable
+    from squall.shared.logs import configure_logging, get_logger
     from squall.shared.redisconn import connect
 
     from .agents import make_agent
@@ -52,5 +53,9 @@ def main(args: argparse.Namespace) -> int:
         loop_factory = uvloop.new_event_loop
     except ImportError:
         loop_factory = None
-    with asyncio.Runner(loop_factory=loop_factory) as runner:
-        return runner.run(Runner(config, r, agent).run())
+    try:
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            return runner.run(Runner(config, r, agent).run())
+    except RedisUnavailable as exc:  # Redis stayed away past run.redis_outage_s
+        get_logger(component="runner").error("runner_exit", error=str(exc))
+        return 1

@@ -29,6 +29,7 @@ import httpx
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
+
 from squall.shared.config import RunnerSection
 from squall.shared.logs import get_logger
 from squall.shared.schemas import Turn, pack_logprobs, pack_tokens

@@ -6,14 +6,18 @@ Parts (wired here):
                XAUTOCLAIM of entries whose lease lapsed (their runner died);
 - lease loop   renews the entries of running attempts (GroupConsumer.renew); an attempt
                whose entry another runner reclaimed is cancelled and never published;
-- attempt      ledger pending -> running, agent under the task's deadline, reward, then
-               `finish`: ONE Lua script that checks we still own the entry, XADDs the
-               Trajectory, XACKs the task and moves the ledger running -> ok|failed|timeout.
-               So an attempt produces exactly one trajectory even across kills and reclaims;
+- attempt      ledger move `take` (pending -> running), agent under the task's deadline,
+               reward, then `finish`: ONE Lua script that checks we still own the entry, XADDs
+               the Trajectory, XACKs the task and makes the ledger move `finish_<status>`
+               (built from shared.ledger's move function and table). So an attempt produces
+               exactly one trajectory even across kills and reclaims;
 - `agents`     the agent contract and the reward; `gateway` the local LLM endpoint;
-- heartbeat    Keys.heartbeats `runner:<id>` every `heartbeat_s`.
+- heartbeat    `runner:<id>` in Keys.heartbeats every `heartbeat_s` (shared.heartbeat).
 An entry delivered more than `max_deliveries` times (runners kept dying on it) finishes as
 failed without running; the scheduler then retries or dead-letters it.
+A Redis outage pauses every loop and every finish until Redis answers again (shared.retry,
+one wait shared by all of them, logged and counted as squall_errors_total{kind="redis_outage"});
+past `run.redis_outage_s` the runner cancels its attempts and exits non-zero naming the URL.
 SIGTERM: stop taking tasks, let running attempts finish within `grace_s`, then cancel the
 rest and hand their entries back at once (their idle time is set past the lease, so the next
 runner's XAUTOCLAIM takes them), exit 0.
@@ -22,7 +26,6 @@ runner's XAUTOCLAIM takes them), exit 0.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import socket
@@ -32,37 +35,44 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+
 from squall.ops.health import start_health_server
 from squall.ops.metrics import standard_metrics
 from squall.shared import bus, schemas
 from squall.shared.config import RunConfig
-from squall.shared.errors import AgentError, SchemaError
+from squall.shared.errors import AgentError, RedisUnavailable, SchemaError
+from squall.shared.heartbeat import HeartbeatWriter
 from squall.shared.keys import GROUP_RUNNERS, Keys
-from squall.shared.ledger import Ledger
+from squall.shared.ledger import FINISH_BY_STATUS, Ledger, lua_move_function, lua_sources
 from squall.shared.logs import get_logger
+from squall.shared.retry import REDIS_ERRORS, RedisOutage
 
 from .agents import LLM, CommandAgent, PythonAgent, load_callable, resolve_reward
 from .gateway import Gateway
 
 READ_BLOCK_MS = 1000  # longest XREADGROUP block: how soon the fetch loop notices a stop
-REDIS_RETRY_S = 1.0  # pause of a loop after a Redis error before it tries again
-FINISH_TRIES = 5  # attempts at publishing a result through a Redis hiccup
+REDIS_RETRY_S = 1.0  # pause of a loop after a Redis command error (not an outage) before it retries
 
 # KEYS: tasks, trajectories, attempts, ledger. ARGV: group, consumer, entry id, trajectory
-# bytes, attempt key, new state. Returns 1 when published, 0 when the entry is no longer ours.
-_FINISH = """
+# bytes, attempt key, target state (FINISH_BY_STATUS[status]'s). Returns 1 when published, 0
+# when the entry is no longer ours. SOURCES: target state -> the states that move may start from.
+_FINISH_BODY = """
+local SOURCES = %s
 local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
 if not p[1] or p[1][2] ~= ARGV[2] then return 0 end
 redis.call('XADD', KEYS[2], '*', 'm', ARGV[4])
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
-local old = redis.call('HGET', KEYS[3], ARGV[5])
-if old == 'pending' or old == 'running' then
-  redis.call('HINCRBY', KEYS[4], old, -1)
-  redis.call('HSET', KEYS[3], ARGV[5], ARGV[6])
-  redis.call('HINCRBY', KEYS[4], ARGV[6], 1)
-end
+squall_move(KEYS[3], KEYS[4], ARGV[5], ARGV[6], SOURCES[ARGV[6]])
 return 1
 """
+
+
+def finish_script() -> str:
+    """The finish script: the ledger's move function, its finish moves' sources, the body."""
+    sources = ", ".join(
+        f"['{move.target_state()}']={lua_sources(move.sources)}" for move in FINISH_BY_STATUS.values()
+    )
+    return lua_move_function() + _FINISH_BODY % ("{" + sources + "}")
 
 
 @dataclass
@@ -95,7 +105,13 @@ class Runner:
             load_callable(self.section.reward_fn, "reward_fn") if self.section.reward_fn else None
         )
         self.gateway = Gateway(self.section, config.model.name)
-        self._finish = r.register_script(_FINISH)
+        self._finish = r.register_script(finish_script())
+        self.heartbeat = HeartbeatWriter(r, self.keys, "runner", self.id, every_s=self.section.heartbeat_s)
+        self.outage = RedisOutage(config.run.redis_url, config.run.redis_outage_s, log=self.log,
+                                  on_outage=self._count_outage)  # fmt: skip
+        self._outage_wait: asyncio.Future | None = None  # the one wait every loop shares
+        self.fatal: RedisUnavailable | None = None  # Redis stayed away past the deadline
+        self.seen_version = -1  # newest weight version seen in a trajectory's turns
         self.running: dict[str, Running] = {}  # entry id -> attempt
         self.stopping = asyncio.Event()
         self.counts = {
@@ -125,28 +141,36 @@ class Runner:
         self.metrics_port = metrics_port
         self.log.info("runner_started", agent=self.agent.spec, slots=self.section.concurrency, gateway_port=port,
                       metrics_port=metrics_port)  # fmt: skip
-        loops = [asyncio.create_task(self._fetch_loop()), asyncio.create_task(self._lease_loop()),
-                 asyncio.create_task(self._heartbeat_loop())]  # fmt: skip
+        loops = [asyncio.create_task(self._fatal_on_outage(loop()))
+                 for loop in (self._fetch_loop, self._lease_loop, self._heartbeat_loop)]  # fmt: skip
         await self.stopping.wait()
         started = time.monotonic()
         self.log.info("runner_stopping", in_flight=len(self.running), grace_s=self.section.grace_s)
+        await self._drain()
+        for task in loops:
+            task.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)
+        await self.gateway.stop()
+        health.close()
+        if self.fatal is not None:
+            raise self.fatal  # Redis is gone: no heartbeat to remove, no entry to hand back
+        await asyncio.to_thread(self.heartbeat.remove)
+        self.log.info("runner_stopped", seconds=round(time.monotonic() - started, 3), **self.counts)
+        return 0
+
+    async def _drain(self) -> None:
+        """Let running attempts finish within the grace period, then cancel and hand back the rest
+        (at once, without grace, when Redis is gone: nothing could be published)."""
         jobs = [a.job for a in self.running.values()]
-        if jobs:
+        if jobs and self.fatal is None:
             await asyncio.wait(jobs, timeout=self.section.grace_s)
         leftover = list(self.running.values())
         for attempt in leftover:
             attempt.job.cancel()
         if leftover:
             await asyncio.wait([a.job for a in leftover], timeout=5)
-            self._hand_back([a.entry_id for a in leftover])
-        for task in loops:
-            task.cancel()
-        await asyncio.gather(*loops, return_exceptions=True)
-        await self.gateway.stop()
-        health.close()
-        await asyncio.to_thread(self.r.hdel, self.keys.heartbeats, f"runner:{self.id}")
-        self.log.info("runner_stopped", seconds=round(time.monotonic() - started, 3), **self.counts)
-        return 0
+            if self.fatal is None:
+                self._hand_back([a.entry_id for a in leftover])
 
     def _hand_back(self, entry_ids: list[str]) -> None:
         """Make entries immediately reclaimable: idle time past the lease, delivery count kept."""
@@ -154,10 +178,44 @@ class Runner:
         self.r.xclaim(self.keys.tasks, GROUP_RUNNERS, self.id, 0, entry_ids, idle=idle_ms, justid=True)
         self.counts["handed_back"] += len(entry_ids)
 
+    # --- Redis outages ---------------------------------------------------------------------
+    def _count_outage(self) -> None:
+        self.metrics.errors.labels(kind="redis_outage").inc()
+
+    async def _ride_out(self, error: BaseException, where: str) -> None:
+        """Wait for Redis to answer again, together with every other loop that hit the outage
+        (one wait, so one outage is logged and counted once); RedisUnavailable past the deadline."""
+        if self._outage_wait is None or self._outage_wait.done():
+            wait = self.outage.wait_async(_Pinger(self.r), error, where)
+            self._outage_wait = asyncio.ensure_future(wait)
+        await asyncio.shield(self._outage_wait)
+
+    async def _call(self, where: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """`fn(*args, **kwargs)` in a thread, repeated after a Redis outage: every caller's call
+        is safe to repeat (a read, an idempotent ledger move, an XACK, the finish script)."""
+        while True:
+            try:
+                return await asyncio.to_thread(fn, *args, **kwargs)
+            except REDIS_ERRORS as exc:
+                await self._ride_out(exc, where)
+
+    async def _fatal_on_outage(self, work: Any) -> None:
+        """Run a loop or an attempt; if Redis stays away past the deadline, stop the runner."""
+        try:
+            await work
+        except RedisUnavailable as exc:
+            if self.fatal is None:
+                self.fatal = exc
+                self.log.error("redis_unavailable", error=str(exc), in_flight=len(self.running))
+            self.stopping.set()
+
     async def _guarded(self, step, what: str) -> None:
-        """Run one loop step; a Redis outage is logged and retried, never fatal to the loop."""
+        """Run one loop step; an outage waits for Redis, any other Redis error is logged,
+        counted and retried after a pause, never fatal to the loop."""
         try:
             await step()
+        except REDIS_ERRORS as exc:
+            await self._ride_out(exc, what)
         except redis.RedisError as exc:
             self.log.warning("redis_error", loop=what, error=str(exc), retry_in_s=REDIS_RETRY_S)
             self.metrics.errors.labels(kind="redis").inc()
@@ -181,10 +239,12 @@ class Runner:
         if not deliveries:
             deliveries = await asyncio.to_thread(self.consumer.read, free, READ_BLOCK_MS)
         for delivery in deliveries:
+            if delivery.entry_id in self.running:
+                continue  # our own attempt, reclaimed after an outage outlasted its lease: keep it
             if self.stopping.is_set():
                 await asyncio.to_thread(self._hand_back, [delivery.entry_id])
                 continue
-            job = asyncio.create_task(self._attempt(delivery))
+            job = asyncio.create_task(self._fatal_on_outage(self._attempt(delivery)))
             self.running[delivery.entry_id] = Running(delivery.message, delivery.entry_id, job)
             job.add_done_callback(lambda _, e=delivery.entry_id: self.running.pop(e, None))
 
@@ -212,9 +272,10 @@ class Runner:
             await asyncio.sleep(self.section.heartbeat_s)
 
     async def _heartbeat_once(self) -> None:
-        body = {"time": time.time(), "slots": self.section.concurrency, "busy": len(self.running),
-                "gateway_port": self.gateway.port, "metrics_port": self.metrics_port, "pid": os.getpid(), **self.counts}  # fmt: skip
-        await asyncio.to_thread(self.r.hset, self.keys.heartbeats, f"runner:{self.id}", json.dumps(body))
+        await asyncio.to_thread(
+            self.heartbeat.beat, force=True, version=self.seen_version, metrics_port=self.metrics_port,
+            slots=self.section.concurrency, busy=len(self.running), gateway_port=self.gateway.port, **self.counts,
+        )  # fmt: skip
 
     # --- one attempt ----------------------------------------------------------------------
     async def _attempt(self, delivery: bus.Delivery) -> None:
@@ -225,13 +286,13 @@ class Runner:
                      "lapsed each time: runners died or hung on it); giving up on this attempt")  # fmt: skip
             await self._publish(delivery, self._trajectory(task, "failed", error=error), taken)
             return
-        state = await asyncio.to_thread(self.ledger.state_of, task.key)
+        state = await self._call("attempt", self.ledger.state_of, task.key)
         if state not in (None, "pending", "running"):
             # Already finished (or cancelled) — e.g. handed back after its trajectory went out.
-            await asyncio.to_thread(self.consumer.ack, [delivery.entry_id])
+            await self._call("attempt", self.consumer.ack, [delivery.entry_id])
             self.counts["skipped"] += 1
             return
-        await asyncio.to_thread(self.ledger.move, [task.key], "running", allowed_from=("pending",))
+        await self._call("attempt", self.ledger.apply, "take", [task.key])
         remaining = task.deadline - time.time()
         if remaining <= 0:
             error = f"deadline passed {-remaining:.1f}s before the attempt started (waited in the queue)"
@@ -283,6 +344,7 @@ class Runner:
             self.metrics.tokens.labels(kind="response").inc(len(turn.response_ids) // 4)
             if turn.version >= 0:
                 self.metrics.weight_version.labels(role="seen").set(turn.version)
+                self.seen_version = max(self.seen_version, turn.version)
         dead = self.consumer.dead_lettered - self._dead_seen
         if dead:
             self.metrics.deadlettered.labels(source="tasks").inc(dead)
@@ -312,24 +374,13 @@ class Runner:
         except SchemaError as exc:
             trajectory = self._trajectory(delivery.message, "failed", error=f"invalid trajectory: {exc}")
         keys = [self.keys.tasks, self.keys.trajectories, self.keys.attempts, self.keys.ledger]
-        args = [
-            GROUP_RUNNERS,
-            self.id,
-            delivery.entry_id,
-            schemas.encode(trajectory),
-            trajectory.key,
-            trajectory.status,
-        ]
-        for tries in range(1, FINISH_TRIES + 1):
-            try:
-                # Safe to repeat: once a call went through, the entry is acked and a repeat returns 0.
-                published = await asyncio.to_thread(self._finish, keys=keys, args=args)
-                break
-            except redis.ConnectionError as exc:
-                if tries == FINISH_TRIES:
-                    raise  # the entry stays pending; its lease lapses and another runner redoes it
-                self.log.warning("finish_retry", task_id=trajectory.task_id, error=str(exc), tries=tries)
-                await asyncio.sleep(REDIS_RETRY_S * tries)
+        target = FINISH_BY_STATUS[trajectory.status].target_state()
+        args = [GROUP_RUNNERS, self.id, delivery.entry_id, schemas.encode(trajectory), trajectory.key, target]
+        # Safe to repeat through an outage: the script is atomic, so a call either went through
+        # whole (the entry is acked, and a repeat finds it no longer ours and returns 0) or not
+        # at all. Past the outage deadline the runner exits; the entry stays pending, its lease
+        # lapses and another runner redoes the attempt.
+        published = await self._call("finish", self._finish, keys=keys, args=args)
         if not published:
             self.counts["lost"] += 1
             self.log.warning(
@@ -342,3 +393,13 @@ class Runner:
         level("attempt_finished", task_id=trajectory.task_id, attempt=trajectory.attempt, status=trajectory.status,
               reward=trajectory.reward, turns=len(trajectory.turns), error=trajectory.error,
               seconds=round(time.time() - taken, 4))  # fmt: skip
+
+
+class _Pinger:
+    """What `RedisOutage.wait_async` pings: the runner's client is synchronous, so in a thread."""
+
+    def __init__(self, r: redis.Redis) -> None:
+        self.r = r
+
+    async def ping(self) -> bool:
+        return bool(await asyncio.to_thread(self.r.ping))
