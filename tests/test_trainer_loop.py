@@ -44,7 +44,7 @@ def test_deadline_late_val_and_stale(tmp_path, r, redis_url, run_name):
         while trainer.state.step < 1 and time.monotonic() < deadline:
             time.sleep(0.05)
         bus.publish_many(r, keys.trajectories, [missing, *stale])  # version-0 turns, trainer now at 1
-        while len(trainer.pending.consumed) < 5 and time.monotonic() < deadline:
+        while len(trainer.books.pending.consumed) < 5 and time.monotonic() < deadline:
             time.sleep(0.05)
         trainer.request_stop()
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from squall.shared.cliargs import add_common_arguments
+
+EXIT_REDIS_UNAVAILABLE = 3  # Redis stayed down past run.redis_outage_s
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,6 +32,12 @@ def main(args: argparse.Namespace) -> int:
 
     # CPU threads for torch (the default 1 suits shared machines and GPU runs)
     torch.set_num_threads(int(os.environ.get("SQUALL_TORCH_THREADS", "1")))
+    from squall.shared.errors import RedisUnavailable
+
     from .main import run
 
-    return run(config)
+    try:
+        return run(config)
+    except RedisUnavailable as exc:  # the message names the URL and what to do
+        print(f"squall trainer: {exc}", file=sys.stderr)
+        return EXIT_REDIS_UNAVAILABLE

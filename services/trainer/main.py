@@ -2,17 +2,22 @@
 step -> durable checkpoint -> ledger + acks -> weights published -> metrics.
 
 Parts (one module each, wired here and nowhere else):
+- bookkeeping.Bookkeeping   exactly-once: where every entry read is (open group, waiting for
+                            a step, next commit, durable); the reason -> ledger move mapping
 - groups.GroupAssembler     complete groups from the stream (deadline, late members)
 - filters.decide_group      failed / zero-variance / stale / overlong members, advantages
 - advantages                GRPO, Dr.GRPO, RLOO (one scalar per trajectory)
 - sequences                 turns -> merged, masked samples; padding and micro-batches
 - backend (torch | verl)    the model, the loss (losses.py) and the optimizer
-- checkpoint.CheckpointStore model + optimizer + RNG + the done set, write-then-rename
+- checkpoint.CheckpointStore model + optimizer + RNG + this commit's done delta, write-then-
+                            rename; the done log (every commit's delta) for the whole set
 - publish.Publisher         safetensors + WeightVersion, pruning acknowledged versions
-- ops.health               /health, /ready (model loaded, not stopping), /metrics: the
+- ops.health                /health, /ready (model loaded, not stopping), /metrics: the
                             standard squall metrics (step, version, trained tokens, tokens/s)
 Exactly-once: an entry is acked only after the checkpoint listing its key is durable; on
 resume the consumer re-reads its own pending entries and skips keys in the done set.
+Redis outage: the loop's unit of work is retried after `RedisOutage.wait`, recovering as a
+restart does (without reloading the model); past run.redis_outage_s, RedisUnavailable.
 SIGTERM: the current step finishes, is checkpointed, and the process exits 0 (a SIGTERM
 while the model is still loading stops it right after loading, before any work).
 """
@@ -24,24 +29,27 @@ import os
 import signal
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import orjson
+
 from squall.ops.metrics import standard_metrics
 from squall.shared import bus, schemas
 from squall.shared.config import RunConfig
+from squall.shared.heartbeat import HeartbeatWriter
 from squall.shared.keys import EVENTS_MAXLEN, GROUP_TRAINER, METRICS_MAXLEN, Keys
-from squall.shared.ledger import Ledger
+from squall.shared.ledger import FilterReason, Ledger
 from squall.shared.logs import get_logger
 from squall.shared.redisconn import connect
+from squall.shared.retry import REDIS_ERRORS, RedisOutage
 
 from .backend import TrainerBackend, make_backend
-from .checkpoint import CheckpointStore, TrainerState
+from .bookkeeping import Bookkeeping, Seen, ledger_moves
+from .checkpoint import CheckpointStore, DoneDelta, TrainerState
 from .filters import GroupDecision, decide_group
-from .groups import GroupAssembler
+from .groups import CompleteGroup
 from .publish import Publisher
 from .sequences import OutOfVocab, Sample, SplitStats, check_vocab, trajectory_to_samples
 
@@ -49,20 +57,7 @@ READ_COUNT = 256  # entries per XREADGROUP
 READ_BLOCK_MS = 500  # longest blocking read: SIGTERM and group deadlines are checked this often
 PENDING_REPLAY_COUNT = 1_000_000  # own pending entries re-read at start (all of them)
 HEARTBEAT_S = 5.0
-# The trainer moves an attempt only out of these states; the scheduler owns the rest
-# (failed/timeout -> retried/deadlettered), so the two never overwrite each other.
-TRAINER_FROM = ("new", "pending", "running", "ok")
 TRAINED_LOG = "trained.jsonl"  # one line per durable step: {"step", "version", "keys"}
-
-
-@dataclass
-class Uncommitted:
-    """Work consumed since the last checkpoint; acked and ledgered once one covers it."""
-
-    entry_ids: list[str] = field(default_factory=list)
-    consumed: dict[str, str] = field(default_factory=dict)  # key -> reason (filtered/late)
-    groups: list[str] = field(default_factory=list)
-    counts: Counter = field(default_factory=Counter)  # filtered/<reason>, late, ... for metrics
 
 
 class Trainer:
@@ -86,20 +81,19 @@ class Trainer:
         if latest is not None:
             self.state, path = latest
             self.backend.load_state(path / "state.pt")
-        self.assembler = GroupAssembler(
-            group_wait_s=self.cfg.group_wait_s,
-            max_attempts=config.scheduler.max_attempts,
-            done_groups=self.state.done_groups,
+        self.books = Bookkeeping(
+            self.state, group_wait_s=self.cfg.group_wait_s, max_attempts=config.scheduler.max_attempts
         )
-        self.ready: list[GroupDecision] = []  # complete groups with something to train
-        self.entry_ids: dict[str, str] = {}  # trajectory key -> stream entry id, for ready groups
-        self.pending = Uncommitted()
         self.stopping = False
-        self.last_heartbeat = 0.0
         self.wait_started = time.perf_counter()
         self.dead_lettered = 0
         self.metrics_port = 0  # set by run(): where /metrics listens, announced in the heartbeat
         self.metrics = standard_metrics()
+        self.heartbeat = HeartbeatWriter(self.r, self.keys, "trainer", self.cfg.consumer, every_s=HEARTBEAT_S)
+        self.outage = RedisOutage(
+            config.run.redis_url, config.run.redis_outage_s, self.log,
+            on_outage=self.metrics.errors.labels(kind="redis_outage").inc,
+        )  # fmt: skip
         self._observe_state()
         self._reconcile_trained_log()
         self.log.info(
@@ -112,34 +106,67 @@ class Trainer:
         self.stopping = True
 
     def run(self) -> int:
-        self._ensure_published()
-        self._event("started", step=self.state.step, version=self.state.version)
-        self._handle(self.consumer.read(PENDING_REPLAY_COUNT, own_pending=True))
+        """Train until max_steps or a stop; ride through Redis outages (RedisUnavailable past
+        run.redis_outage_s)."""
+        recovering, first = True, True
         try:
-            while not self.stopping and not self._reached_max_steps():
-                self._heartbeat()
-                deadline = self.assembler.next_deadline_s()
-                block_ms = (
-                    READ_BLOCK_MS if deadline is None else max(1, min(READ_BLOCK_MS, int(deadline * 1000)))
-                )
-                deliveries = self.consumer.read(READ_COUNT, block_ms=block_ms)
-                self._handle(deliveries)
-                self._collect_complete_groups()
-                if len(self.ready) >= self.cfg.groups_per_step:
-                    self._step(self.ready[: self.cfg.groups_per_step])
-                    self.ready = self.ready[self.cfg.groups_per_step :]
-                elif not deliveries and self.pending.entry_ids:
-                    # The stream went quiet with filtered groups uncommitted: commit them now.
-                    # The scheduler holds a group until the trainer has consumed it, so waiting
-                    # for the next step could wait forever (all in-flight groups held).
-                    self._commit(trained={}, version_bumped=False)
-            if self.pending.entry_ids:  # filtered/late work seen since the last step
-                self._commit(trained={}, version_bumped=False)
-        finally:  # an exception propagates uncommitted: a restart replays from the last checkpoint
-            self._event("stopped", step=self.state.step, version=self.state.version)
-            self.log.info("trainer_stopped", step=self.state.step, version=self.state.version,
-                          dead_lettered=self.dead_lettered + self.consumer.dead_lettered)  # fmt: skip
+            while True:
+                try:
+                    if recovering:
+                        self._recover(announce=first)
+                        recovering = first = False
+                    if self.stopping or self._reached_max_steps():
+                        self._flush()
+                        break
+                    self._work_once()
+                except REDIS_ERRORS as exc:  # uncommitted work is still in the pending list
+                    self.outage.wait(self.r, exc, where="trainer loop")
+                    recovering = True
+        finally:  # other exceptions propagate uncommitted: a restart replays from the checkpoint
+            self._stopped()
         return 0
+
+    def _recover(self, *, announce: bool) -> None:
+        """What a restart does, without reloading the model: forget what is not durable,
+        announce the current version, re-read own pending entries (those a checkpoint covers
+        get their ledger moves again and are acked)."""
+        self.books.reset()
+        bus.ensure_group(self.r, self.keys.trajectories, GROUP_TRAINER)
+        self._ensure_published()
+        if announce:
+            self._event("started", step=self.state.step, version=self.state.version)
+        self._handle(self.consumer.read(PENDING_REPLAY_COUNT, own_pending=True))
+        self.wait_started = time.perf_counter()
+
+    def _work_once(self) -> None:
+        """One read, the groups it completes, and a step when enough are ready."""
+        self._heartbeat()
+        deadline = self.books.assembler.next_deadline_s()
+        block_ms = READ_BLOCK_MS if deadline is None else max(1, min(READ_BLOCK_MS, int(deadline * 1000)))
+        deliveries = self.consumer.read(READ_COUNT, block_ms=block_ms)
+        self._handle(deliveries)
+        self.books.collect(self._decide)
+        decisions = self.books.take_ready(self.cfg.groups_per_step)
+        if decisions:
+            self._step(decisions)
+        elif not deliveries and self.books.uncommitted():
+            # The stream went quiet with filtered groups uncommitted: commit them now. The
+            # scheduler holds a group until the trainer has consumed it, so waiting for the
+            # next step could wait forever (all in-flight groups held).
+            self._commit(bump=False)
+
+    def _flush(self) -> None:
+        if self.books.uncommitted():  # filtered/late work seen since the last step
+            self._commit(bump=False)
+
+    def _stopped(self) -> None:
+        try:
+            self._event("stopped", step=self.state.step, version=self.state.version)
+        except REDIS_ERRORS:
+            pass  # exiting because Redis is gone: the log line below still says so
+        self.log.info("trainer_stopped", step=self.state.step, version=self.state.version,
+                      dead_lettered=self.dead_lettered + self.consumer.dead_lettered,
+                      redis_outages=self.outage.outages)  # fmt: skip
 
     def _reached_max_steps(self) -> bool:
         return bool(self.cfg.max_steps) and self.state.step >= self.cfg.max_steps
@@ -147,113 +174,54 @@ class Trainer:
     # --- intake ---------------------------------------------------------------
     def _handle(self, deliveries: list[bus.Delivery]) -> None:
         covered: list[bus.Delivery] = []
+        ack_now: list[str] = []  # copies, validation attempts, duplicates: nothing to commit
         for delivery in deliveries:
             traj: schemas.Trajectory = delivery.message
-            if self.state.is_done(traj.key):
+            seen = self.books.seen(traj.key)
+            if seen is Seen.DONE:
                 covered.append(delivery)  # a durable checkpoint already covers it
-                continue
-            if traj.key in self.entry_ids or traj.key in self.pending.consumed:
-                self.consumer.ack([delivery.entry_id])  # a second copy of an attempt in flight here
-                continue
-            if traj.mode != "train":
-                self.consumer.ack([delivery.entry_id])  # validation: the scheduler records it
-                continue
-            try:
-                check_vocab(traj, self.backend.vocab_size)
-            except OutOfVocab as exc:
-                self._dead_letter(delivery, traj, str(exc))
-                continue
-            outcome = self.assembler.add(delivery.entry_id, traj)
-            if outcome == "late":
-                self._consume(delivery.entry_id, traj.key, "late")
-            elif outcome == "duplicate":
-                self.consumer.ack([delivery.entry_id])  # same key twice in one open group
-        if covered:
-            self._finish_covered(covered)
+            elif seen is Seen.IN_FLIGHT or traj.mode != "train":
+                ack_now.append(delivery.entry_id)  # a second copy, or validation (the scheduler's)
+            elif self._in_vocab(delivery) and self.books.add(delivery.entry_id, traj) == "duplicate":
+                ack_now.append(delivery.entry_id)  # same key twice in one open group
+        self.consumer.ack(ack_now)
+        if covered:  # a crash fell between a checkpoint and its acks: settle them now
+            done = self.books.covered(d.message.key for d in covered)
+            self._settle(done, [d.entry_id for d in covered])
 
-    def _finish_covered(self, deliveries: list[bus.Delivery]) -> None:
-        """Entries a checkpoint covers but that were not acked (a crash between the checkpoint
-        and the acks): redo the idempotent ledger moves, then ack."""
-        by_state: dict[str, list[str]] = {}
-        for delivery in deliveries:
-            key = delivery.message.key
-            reason = self.state.consumed.get(key)
-            if key in self.state.trained:
-                by_state.setdefault("trained", []).append(key)
-            elif reason == "late":
-                by_state.setdefault("late", []).append(key)
-            elif reason not in (None, "failed", "timeout", "cancelled"):
-                by_state.setdefault(f"filtered:{reason}", []).append(key)
-        for state, keys in by_state.items():
-            self.ledger.move(keys, state, allowed_from=TRAINER_FROM)
-        self.consumer.ack([d.entry_id for d in deliveries])
+    def _in_vocab(self, delivery: bus.Delivery) -> bool:
+        try:
+            check_vocab(delivery.message, self.backend.vocab_size)
+        except OutOfVocab as exc:
+            self._dead_letter(delivery, str(exc))
+            return False
+        return True
 
-    def _dead_letter(self, delivery: bus.Delivery, traj: schemas.Trajectory, reason: str) -> None:
+    def _dead_letter(self, delivery: bus.Delivery, reason: str) -> None:
+        traj: schemas.Trajectory = delivery.message
+        pipe = self.r.pipeline(transaction=True)
         bus.dead_letter(
             self.r, self.keys.deadletter, source=self.keys.trajectories, entry_id=delivery.entry_id,
-            reason=reason, raw=schemas.encode(traj), group=GROUP_TRAINER,
+            reason=reason, raw=schemas.encode(traj), group=GROUP_TRAINER, pipe=pipe,
         )  # fmt: skip
-        self.ledger.move([traj.key], "deadlettered", allowed_from=TRAINER_FROM)
-        self.consumer.ack([delivery.entry_id])
+        self.ledger.apply("reject", [traj.key], pipe=pipe)
+        pipe.xack(self.keys.trajectories, GROUP_TRAINER, delivery.entry_id)
+        pipe.execute()
         self.dead_lettered += 1
         self.metrics.deadlettered.labels(source="trajectories").inc()
         self.log.warning("trajectory_dead_lettered", key=traj.key, reason=reason)
 
-    def _consume(self, entry_id: str, key: str, reason: str) -> None:
-        self.pending.entry_ids.append(entry_id)
-        self.pending.consumed[key] = reason
-        self.pending.counts[reason if reason == "late" else f"filtered/{reason}"] += 1
-
-    def _collect_complete_groups(self) -> None:
-        for group in self.assembler.pop_complete():
-            decision = decide_group(
-                group.group_id, [m.trajectory for m in group.members],
-                trainer_version=self.state.version, max_staleness=self.cfg.max_staleness,
-                overlong=self.cfg.overlong, max_seq_len=self.cfg.max_seq_len, advantage=self.cfg.advantage,
-            )  # fmt: skip
-            entry_of = {m.trajectory.key: m.entry_id for m in group.members}
-            self.entry_ids.update(entry_of)
-            if not decision.train:  # nothing to wait for: commit the filtered members now
-                self._consume_filtered(decision)
-                self.pending.groups.append(group.group_id)
-            if group.timed_out:
-                self.pending.counts["groups_timed_out"] += 1
-            if decision.train:
-                self.ready.append(decision)
-
-    def _consume_filtered(self, decision: GroupDecision) -> None:
-        """Filtered members are committed with their group, never before: a restart then
-        re-reads the whole group and recomputes the same baseline."""
-        for reason, members in decision.filtered.items():
-            for traj in members:
-                self._consume(self.entry_ids.pop(traj.key), traj.key, reason)
+    def _decide(self, group: CompleteGroup) -> GroupDecision:
+        return decide_group(
+            group.group_id, [m.trajectory for m in group.members],
+            trainer_version=self.state.version, max_staleness=self.cfg.max_staleness,
+            overlong=self.cfg.overlong, max_seq_len=self.cfg.max_seq_len, advantage=self.cfg.advantage,
+        )  # fmt: skip
 
     # --- one step ------------------------------------------------------------
     def _step(self, decisions: list[GroupDecision]) -> None:
         wait_s = time.perf_counter() - self.wait_started
-        stats = SplitStats()
-        samples: list[Sample] = []
-        trained_keys: list[str] = []
-        mask_truncated = self.cfg.overlong == "mask"
-        for decision in decisions:
-            self._consume_filtered(decision)
-            entry_of = self.entry_ids
-            for traj in decision.train:
-                got = trajectory_to_samples(
-                    traj, advantage=decision.advantages[traj.key], mask_truncated=mask_truncated, stats=stats
-                )
-                if sum(s.trained_tokens for s in got) == 0:
-                    self._consume(
-                        entry_of[traj.key], traj.key, "overlong" if mask_truncated else "no_trained_tokens"
-                    )
-                    continue
-                samples.extend(got)
-                trained_keys.append(traj.key)
-                self.pending.entry_ids.append(entry_of[traj.key])
-            self.pending.groups.append(decision.group_id)
-        for decision in decisions:
-            for traj in decision.train:
-                self.entry_ids.pop(traj.key, None)
+        samples, stats = self._samples(decisions)
         train_start = time.perf_counter()
         metrics: dict[str, float] = {}
         if samples:
@@ -262,8 +230,7 @@ class Trainer:
         train_s = time.perf_counter() - train_start
         publish_start = time.perf_counter()
         bump = bool(samples) and self.state.step % self.cfg.publish_every == 0
-        counts = Counter(self.pending.counts)
-        self._commit(trained={k: self.state.step for k in trained_keys}, version_bumped=bump)
+        counts = self._commit(bump=bump)
         if bump:
             self.publisher.publish(self.state.version, self.state.step, self.backend.weights())
             self.publisher.prune()
@@ -280,30 +247,47 @@ class Trainer:
         self._observe_state()
         self.wait_started = time.perf_counter()
 
-    def _commit(self, *, trained: dict[str, int], version_bumped: bool) -> None:
-        """Checkpoint, then ledger and acks for everything the checkpoint covers."""
-        if version_bumped:
+    def _samples(self, decisions: list[GroupDecision]) -> tuple[list[Sample], SplitStats]:
+        """The step's samples; members left with no trained token are consumed instead."""
+        stats = SplitStats()
+        samples: list[Sample] = []
+        mask_truncated = self.cfg.overlong == "mask"
+        for decision in decisions:
+            for traj in decision.train:
+                got = trajectory_to_samples(
+                    traj, advantage=decision.advantages[traj.key], mask_truncated=mask_truncated, stats=stats
+                )
+                if sum(s.trained_tokens for s in got) == 0:
+                    reason = FilterReason.OVERLONG if mask_truncated else FilterReason.NO_TRAINED_TOKENS
+                    self.books.drop(traj.key, reason)
+                    continue
+                samples.extend(got)
+                self.books.train(traj.key)
+            self.books.close(decision)
+        return samples, stats
+
+    def _commit(self, *, bump: bool) -> Counter:
+        """Checkpoint, then the trained log, then ledger and acks for everything it covers.
+        Returns the commit's counts (filtered:<reason>, late, groups_timed_out) for metrics."""
+        if bump:
             self.state.version += 1
-        self.state.trained.update(trained)
-        self.state.consumed.update(self.pending.consumed)
-        self.state.done_groups.extend(self.pending.groups)
         self.state.commit += 1
-        self.store.save(self.state, self.backend.save_state)
-        if trained:
-            self.ledger.move(list(trained), "trained", allowed_from=TRAINER_FROM)
-            self._append_trained_log(self.state.step, list(trained))
-        by_reason: dict[str, list[str]] = {}
-        for key, reason in self.pending.consumed.items():
-            by_reason.setdefault(reason, []).append(key)
-        for reason, keys in by_reason.items():
-            if reason in ("failed", "timeout", "cancelled"):
-                continue  # the scheduler's retry path owns these attempts' ledger state
-            if reason == "late":
-                self.ledger.move(keys, "late", allowed_from=TRAINER_FROM)
-            else:
-                self.ledger.move(keys, f"filtered:{reason}", allowed_from=TRAINER_FROM)
-        self.consumer.ack(self.pending.entry_ids)
-        self.pending = Uncommitted()
+        sealed = self.books.seal(self.state.step)
+        self.store.save(self.state, self.backend.save_state, sealed.done)
+        if sealed.done.trained:  # local and durable before any Redis write that may fail
+            self._append_trained_log(self.state.step, list(sealed.done.trained))
+        self._settle(sealed.done, sealed.entry_ids)
+        return sealed.counts
+
+    def _settle(self, done: DoneDelta, entry_ids: list[str]) -> None:
+        """Ledger moves and acks for entries a durable checkpoint covers, in one transaction
+        (idempotent: replaying it after a crash or an outage changes nothing)."""
+        pipe = self.r.pipeline(transaction=True)
+        for name, reason, keys in ledger_moves(done):
+            self.ledger.apply(name, keys, reason=reason, pipe=pipe)
+        if entry_ids:
+            pipe.xack(self.keys.trajectories, GROUP_TRAINER, *entry_ids)
+        pipe.execute()
 
     # --- outputs ---------------------------------------------------------------
     def _ensure_published(self) -> None:
@@ -387,13 +371,10 @@ class Trainer:
         self.metrics.weight_version.labels(role="trainer").set(self.state.version)
 
     def _heartbeat(self) -> None:
-        now = time.time()
-        if now - self.last_heartbeat < HEARTBEAT_S:
-            return
-        self.last_heartbeat = now
-        beat = {"time": now, "step": self.state.step, "version": self.state.version, "pid": os.getpid(),
-                "metrics_port": self.metrics_port, "open_groups": len(self.assembler.open), "ready_groups": len(self.ready)}  # fmt: skip
-        self.r.hset(self.keys.heartbeats, f"trainer:{self.cfg.consumer}", orjson.dumps(beat))
+        self.heartbeat.beat(
+            version=self.state.version, metrics_port=self.metrics_port, step=self.state.step,
+            open_groups=len(self.books.assembler.open), ready_groups=len(self.books.ready),
+        )  # fmt: skip
 
     def _event(self, name: str, **fields: Any) -> None:
         bus.publish(self.r, self.keys.events, schemas.Event(run=self.keys.run, service="trainer", name=name, fields=fields),
