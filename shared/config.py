@@ -234,6 +234,9 @@ class WorkerSection(Section):
     """rq retries of a failed or abandoned job (a worker killed mid-job)."""
     maintenance_s: int = Field(15, ge=1)
     """How often a worker moves abandoned jobs (their worker died) to failed or retries them."""
+    heartbeat_s: int = Field(5, ge=1)
+    """A worker renews its running job's lease this often; a job whose worker died counts as
+    abandoned 3 heartbeats later, and is failed (or retried) at the next maintenance."""
     deadline_s: float = Field(30.0, gt=0)
     """A tool call's deadline when the caller gives none (enqueue to result)."""
     http_host: str = "127.0.0.1"

@@ -73,7 +73,9 @@ def _supervise(args: argparse.Namespace, config, tools: list[str]) -> int:  # ty
     pool = Supervisor([*base, "--single", *burst], config.worker.workers, env, burst=args.burst)
     http = None
     if config.worker.http_port:
-        http = Supervisor([*base, "--http-only"], 1, {**env, "SQUALL_WORKER__HTTP_PORT": str(config.worker.http_port)})
+        http = Supervisor(
+            [*base, "--http-only"], 1, {**env, "SQUALL_WORKER__HTTP_PORT": str(config.worker.http_port)}
+        )
     signal.signal(signal.SIGTERM, lambda *_: (pool.stop(), http and http.stop()))
     signal.signal(signal.SIGINT, lambda *_: (pool.stop(), http and http.stop()))
     print(f"squall worker: run {config.run.name!r}: {config.worker.workers} rq worker(s) on {', '.join(tools)}"

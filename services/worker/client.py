@@ -142,7 +142,9 @@ class Tools:
     def run_code(self, code: str, deadline_s: float | None = None) -> dict[str, Any]:
         return self.call("code", {"code": code}, deadline_s)
 
-    def search(self, query: str, k: int = 3, corpus: str = "default", deadline_s: float | None = None) -> list:
+    def search(
+        self, query: str, k: int = 3, corpus: str = "default", deadline_s: float | None = None
+    ) -> list:
         return self.call("retrieval", {"query": query, "k": k, "corpus": corpus}, deadline_s)
 
     def run_sql(self, sql: str, db: str = "default", deadline_s: float | None = None) -> dict[str, Any]:
@@ -173,7 +175,9 @@ class HttpTools(Tools):
             response = httpx.post(f"{self.base_url}/v1/tools/{tool}", json=body, timeout=wait_s)
         except httpx.HTTPError as exc:
             raise ToolError(f"{tool}: the tool server at {self.base_url} did not answer: {exc}") from None
-        data = response.json() if response.headers.get("content-type", "").startswith("application/json") else {}
+        data = (
+            response.json() if response.headers.get("content-type", "").startswith("application/json") else {}
+        )
         if response.status_code != 200:
             raise ToolError(str(data.get("error") or f"{tool}: HTTP {response.status_code}"))
         return data["result"]

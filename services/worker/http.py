@@ -13,6 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
 from squall.shared.errors import ToolError
 from squall.worker.client import Tools
 from squall.worker.queues import TOOLS
@@ -20,10 +23,7 @@ from squall.worker.queues import TOOLS
 MAX_DEADLINE_S = 600.0
 
 
-def create_app(tools: Tools) -> Any:
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse
-
+def create_app(tools: Tools) -> FastAPI:
     app = FastAPI(title="squall tools", docs_url=None, redoc_url=None)
 
     def error(status: int, message: str) -> JSONResponse:
@@ -46,9 +46,13 @@ def create_app(tools: Tools) -> Any:
         except ValueError:
             return error(400, 'the body must be JSON: {"args": {...}, "deadline_s": seconds}')
         if not isinstance(body, dict) or not isinstance(body.get("args", {}), dict):
-            return error(400, f'the body must be {{"args": {{...}}, "deadline_s": seconds}}, got {str(body)[:200]}')
+            return error(
+                400, f'the body must be {{"args": {{...}}, "deadline_s": seconds}}, got {str(body)[:200]}'
+            )
         deadline = body.get("deadline_s")
-        if deadline is not None and (not isinstance(deadline, int | float) or not 0 < deadline <= MAX_DEADLINE_S):
+        if deadline is not None and (
+            not isinstance(deadline, int | float) or not 0 < deadline <= MAX_DEADLINE_S
+        ):
             return error(400, f"deadline_s must be a number in (0, {MAX_DEADLINE_S:g}], got {deadline!r}")
         from starlette.concurrency import run_in_threadpool
 

@@ -54,7 +54,12 @@ def result_rows(rows: list[list[Any]]) -> Counter:
     return Counter(tuple(round(v, 6) if isinstance(v, float) else v for v in row) for row in rows)
 
 
-JUDGES: dict[str, Callable[[Any, Any], float]] = {"exact": exact, "contains": contains, "number": number, "f1": f1}
+JUDGES: dict[str, Callable[[Any, Any], float]] = {
+    "exact": exact,
+    "contains": contains,
+    "number": number,
+    "f1": f1,
+}
 KNOWN = (*JUDGES, "sql")  # `sql` needs a database: see jobs.judge
 
 

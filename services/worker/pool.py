@@ -35,6 +35,11 @@ def _pool_worker_class() -> type:
         """rq's forking Worker whose work horse dies with it: a worker killed with -9 leaves no
         horse (nor, through the sandbox's own PDEATHSIG, sandboxed code) running on."""
 
+        def get_heartbeat_ttl(self, job, working_time: float = 0.0) -> int:  # type: ignore[no-untyped-def]
+            # rq's own margin is a fixed 60 s: a dead worker's job would wait that long to be
+            # seen as abandoned. Three heartbeats are enough (the worker renews every one).
+            return int(self.job_monitoring_interval) * 3
+
         def main_work_horse(self, job, queue):  # type: ignore[no-untyped-def]
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
             if os.getppid() == 1:  # the worker died between fork and prctl
@@ -55,7 +60,8 @@ def work_one(config: RunConfig, tools: list[str], name: str | None = None, burst
     r = connect(config.run.redis_url, autostart=False)
     queues = [Queue(queue_name(config.run.name, t), connection=r, serializer=serializer()) for t in tools]
     worker = _pool_worker_class()(queues, connection=r, name=name, serializer=serializer(),
-                    default_result_ttl=settings.result_ttl_s, maintenance_interval=settings.maintenance_s)  # fmt: skip
+                    default_result_ttl=settings.result_ttl_s, maintenance_interval=settings.maintenance_s,
+                    job_monitoring_interval=settings.heartbeat_s)  # fmt: skip
     worker.work(burst=burst, logging_level=config.run.log_level, with_scheduler=False)
     return 0
 

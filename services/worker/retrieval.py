@@ -51,7 +51,9 @@ def build(path: str | Path) -> Index:
 def index_for(name: str, corpora: dict[str, str]) -> Index:
     """The index of corpus `name` (built on first use); unknown names list the known ones."""
     if name not in corpora:
-        raise ToolError(f"unknown corpus {name!r}: this pool serves {sorted(corpora) or 'none'} (worker.corpora)")
+        raise ToolError(
+            f"unknown corpus {name!r}: this pool serves {sorted(corpora) or 'none'} (worker.corpora)"
+        )
     with _LOCK:
         if name not in _INDEXES:
             _INDEXES[name] = build(corpora[name])

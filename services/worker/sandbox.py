@@ -40,6 +40,7 @@ CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
 PR_SET_PDEATHSIG = 1
 READ_CHUNK = 65536  # bytes per read of the child's pipes
+EXIT_POLL_S = 0.05  # with no output for this long, check whether the main process has exited
 STDERR_TAIL_CHARS = 2000  # what of stderr the model sees
 
 
@@ -151,7 +152,13 @@ def read_paths(python: str) -> list[str]:
 
 def layers() -> list[str]:
     """The confinement layers this machine gives a sandboxed run (for logs and docs)."""
-    found = ["rlimits", "wall_clock", "output_cap", "clean_env", "netns" + ("" if os.geteuid() == 0 else "+userns")]
+    found = [
+        "rlimits",
+        "wall_clock",
+        "output_cap",
+        "clean_env",
+        "netns" + ("" if os.geteuid() == 0 else "+userns"),
+    ]
     if os.geteuid() == 0:
         found.append("own_uid")
     abi = landlock.abi_version()
@@ -202,7 +209,9 @@ def run_python(code: str, limits: Limits = Limits(), python: str = "") -> Sandbo
         with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
             f.write(code)
         as_root = os.geteuid() == 0
-        confine = _Confine(workdir, limits, read_paths(exe) + [workdir], 0 if as_root else _processes_of(os.getuid()))
+        confine = _Confine(
+            workdir, limits, read_paths(exe) + [workdir], 0 if as_root else _processes_of(os.getuid())
+        )
         env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"}
         started = time.monotonic()
         proc = subprocess.Popen(
@@ -211,10 +220,10 @@ def run_python(code: str, limits: Limits = Limits(), python: str = "") -> Sandbo
             close_fds=True, start_new_session=True, preexec_fn=confine,
         )  # fmt: skip
         try:
-            out, err, killed_for, truncated = _collect(proc, limits, started)
+            out, err, killed_for, truncated, reaped = _collect(proc, limits, started)
         finally:
             _kill_group(proc.pid)
-        _, status, usage = os.wait4(proc.pid, 0)
+        _, status, usage = reaped or os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
         if as_root:
             _kill_uid(SANDBOX_UID_BASE + proc.pid)
@@ -228,16 +237,23 @@ def run_python(code: str, limits: Limits = Limits(), python: str = "") -> Sandbo
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _collect(proc: subprocess.Popen, limits: Limits, started: float) -> tuple[bytes, bytes, str, bool]:
-    """Read stdout and stderr until both close, the output cap or the wall clock."""
+def _collect(
+    proc: subprocess.Popen, limits: Limits, started: float
+) -> tuple[bytes, bytes, str, bool, tuple | None]:
+    """Read stdout and stderr until the main process has exited and its output is drained (what
+    it left running is killed, not waited for), or the output cap, or the wall clock.
+
+    Returns stdout, stderr, why we killed it ("" if we did not), truncated, and wait4's
+    (pid, status, rusage) if the process was reaped here.
+    """
     assert proc.stdout is not None and proc.stderr is not None
     out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
     buffers = {out_fd: bytearray(), err_fd: bytearray()}
     selector = selectors.DefaultSelector()
-    for pipe in (proc.stdout, proc.stderr):
-        os.set_blocking(pipe.fileno(), False)
-        selector.register(pipe.fileno(), selectors.EVENT_READ)
-    killed_for, truncated, total = "", False, 0
+    for fd in buffers:
+        os.set_blocking(fd, False)
+        selector.register(fd, selectors.EVENT_READ)
+    killed_for, truncated, total, reaped = "", False, 0, None
     deadline = started + limits.wall_s
     try:
         while selector.get_map():
@@ -245,7 +261,8 @@ def _collect(proc: subprocess.Popen, limits: Limits, started: float) -> tuple[by
             if remaining <= 0:
                 killed_for = "wall_time"
                 break
-            for key, _ in selector.select(timeout=min(remaining, 0.5)):
+            ready = selector.select(timeout=min(remaining, EXIT_POLL_S))
+            for key, _ in ready:
                 chunk = os.read(key.fd, READ_CHUNK)
                 if not chunk:
                     selector.unregister(key.fd)
@@ -258,13 +275,18 @@ def _collect(proc: subprocess.Popen, limits: Limits, started: float) -> tuple[by
                     break
             if killed_for:
                 break
+            if not ready and reaped is None:
+                pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+                if pid:  # exited; its pipes stay open only while something it started lives on
+                    reaped = (pid, status, usage)
+                    _kill_group(proc.pid)
     finally:
         selector.close()
         proc.stdout.close()
         proc.stderr.close()
     if killed_for:
         _kill_group(proc.pid)
-    return bytes(buffers[out_fd]), bytes(buffers[err_fd]), killed_for, truncated
+    return bytes(buffers[out_fd]), bytes(buffers[err_fd]), killed_for, truncated, reaped
 
 
 def _kill_group(pid: int) -> None:
