@@ -17,12 +17,12 @@ import pytest
 import redis
 from rq import Queue, Worker
 from rq.job import Job, JobStatus
+
 from squall.shared.config import WorkerSection
 from squall.shared.localredis import free_port
-from squall.worker.client import Tools, ToolError, failure_reason
+from squall.worker.client import ToolError, Tools, failure_reason
 from squall.worker.queues import queue_name, serializer
 from squall.worker.status import format_summary, pool_summary
-
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.redis

@@ -8,6 +8,7 @@ import time
 from urllib.parse import urlparse
 
 import pytest
+
 from squall.worker import sandbox
 from squall.worker.sandbox import Limits, run_python
 
