@@ -128,6 +128,9 @@ class Up:
         self._wait_healthy(urls)
         self.processes.append(ServiceProcess("trainer", ["trainer", *common], logs, env).start())
         self.processes.append(ServiceProcess("scheduler", ["scheduler", *common], logs, env).start())
+        if self.config.worker.queues:  # the tool pool; agents find it through the env (worker/client.py)
+            env.update(SQUALL_RUN__NAME=self.keys.run, SQUALL_CONFIG=self.args.config or "")
+            self.processes.append(ServiceProcess("worker", ["worker", *common], logs, env).start())
         for i in range(self.args.runners):
             self.processes.append(ServiceProcess(f"runner-{i}", ["runner", *common], logs, env).start())
         print(f"squall up: run {self.keys.run!r} in {self.run_dir}: {len(nodes)} inference node(s) at "
@@ -186,7 +189,7 @@ class Up:
         # Runners first (they hand back in-flight work), then who feeds them, inference last.
         order = sorted(
             self.processes,
-            key=lambda p: ("runner", "scheduler", "trainer", "inference").index(p.name.split("-")[0]),
+            key=lambda p: ("runner", "worker", "scheduler", "trainer", "inference").index(p.name.split("-")[0]),
         )
         codes = stop_all(order, GRACE_S)
         unclean = {name: code for name, code in codes.items() if code not in (0, None, -signal.SIGTERM)}
