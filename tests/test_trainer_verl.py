@@ -3,11 +3,13 @@ tiny model when verl is installed (marked verl; FSDP on a GPU marked gpu)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from test_trainer_step import config_for, make_tiny_model, sampled_trajectory
+
 from squall.trainer.sequences import trajectory_to_samples
 from squall.trainer.verl_backend import to_verl_batch
-from test_trainer_step import config_for, make_tiny_model, sampled_trajectory
 
 torch.set_num_threads(1)
 
@@ -83,3 +85,117 @@ def test_verl_fsdp_step_on_gpu(tmp_path):
     assert set(weights) >= {k for k, _ in sampler.named_parameters()}
     backend.save_state(tmp_path / "state.pt")
     backend.load_state(tmp_path / "state.pt")
+
+
+def far_ratio_inputs(seed: int, shape=(6, 40)):
+    """logp and behaviour logprobs up to e^3 apart (ratios from ~0.05 to ~20), advantages of
+    both signs, a loss mask with holes. All (B, T)."""
+    gen = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(shape, generator=gen) * 4
+    behaviour = logp + (torch.rand(shape, generator=gen) * 6 - 3)
+    adv = torch.randn(shape[0], 1, generator=gen).expand(shape).clone()
+    mask = (torch.rand(shape, generator=gen) > 0.2).float()
+    return logp, behaviour, adv, mask
+
+
+@pytest.mark.verl
+@pytest.mark.parametrize("seed", range(4))
+def test_verl_dual_clip_and_tis_differ_only_past_the_cap_for_negative_advantages(seed):
+    """verl's vanilla loss (dual clip, clip_ratio_c = c) and squall's TIS (tis_cap = c) have the
+    same value everywhere; their gradients differ only where A < 0 and ratio > c: there
+    dual clip makes the term the constant -A*c (gradient 0), TIS keeps -A*c*grad(logp)."""
+    pytest.importorskip("verl")
+    from verl.trainer.ppo.core_algos import compute_policy_loss
+
+    from squall.trainer.losses import ppo_tis_token_loss
+
+    logp, behaviour, adv, mask = far_ratio_inputs(seed)
+    cap, low, high = 2.0, 0.2, 0.28
+    ratio = torch.exp(logp - behaviour)
+    assert (ratio > 10).any() and (ratio < 0.1).any() and (adv < 0).any() and (adv > 0).any()
+
+    def per_token(fn):
+        x = logp.clone().requires_grad_(True)
+        values = fn(x)
+        values.sum().backward()
+        return values.detach(), x.grad
+
+    def verl_terms(x):  # seq-mean-token-sum over one-token "sequences" = every term on its own
+        flat = lambda t: t.reshape(-1, 1)  # noqa: E731
+        loss, *_ = compute_policy_loss(flat(behaviour), flat(x), flat(adv), torch.ones_like(flat(x)),
+                                       cliprange=low, cliprange_low=low, cliprange_high=high,
+                                       clip_ratio_c=cap, loss_agg_mode="seq-mean-token-sum")  # fmt: skip
+        return loss * x.numel()  # back from the mean; its gradient is per token
+
+    squall_values, squall_grad = per_token(
+        lambda x: ppo_tis_token_loss(x, behaviour, adv, clip_low=low, clip_high=high, tis_cap=cap)[0]
+    )
+    verl_total, verl_grad = per_token(verl_terms)
+    assert verl_total.item() == pytest.approx(squall_values.sum().item(), rel=1e-5)
+    differs = (adv < 0) & (ratio > cap)
+    assert differs.any() and (~differs).any()
+    assert torch.allclose(squall_grad[~differs], verl_grad[~differs], atol=1e-6)
+    assert torch.equal(verl_grad[differs], torch.zeros(int(differs.sum())))
+    assert torch.allclose(squall_grad[differs], (-adv * cap)[differs], atol=1e-6)
+
+
+@pytest.mark.verl
+@pytest.mark.parametrize("loss_agg_mode", ["token-mean", "seq-mean-token-mean"])
+def test_the_registered_verl_policy_loss_is_squalls(loss_agg_mode):
+    """The verl backend's loss mode computes squall's loss: value and gradient equal to
+    ppo_tis_loss with the matching normalisation, at ratios far from 1."""
+    pytest.importorskip("verl")
+    from omegaconf import OmegaConf
+
+    from squall.trainer.losses import ppo_tis_loss
+    from squall.trainer.verl_backend import squall_policy_loss
+
+    logp, behaviour, adv, mask = far_ratio_inputs(7)
+    config = OmegaConf.create({"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 2.0})
+    if loss_agg_mode == "token-mean":
+        weights = mask / mask.sum()
+    else:
+        weights = mask / mask.sum(-1, keepdim=True) / mask.shape[0]
+    x, y = logp.clone().requires_grad_(True), logp.clone().requires_grad_(True)
+    got, clipfrac, _, tisfrac = squall_policy_loss(behaviour, x, adv, mask, loss_agg_mode, config)
+    want = ppo_tis_loss(y, behaviour, adv, mask, weights, clip_low=0.2, clip_high=0.28, tis_cap=2.0)
+    got.backward()
+    want.loss.backward()
+    assert got.item() == pytest.approx(want.loss.item(), rel=1e-5)
+    assert torch.allclose(x.grad, y.grad, atol=1e-7)
+    assert clipfrac.item() == pytest.approx(want.clip_fraction, rel=1e-5)
+    assert tisfrac.item() == pytest.approx(want.tis_fraction, rel=1e-5) and want.tis_fraction > 0
+
+
+@pytest.mark.verl
+@pytest.mark.slow
+def test_verl_step_matches_torch_far_from_ratio_one(tmp_path):
+    """Behaviour logprobs far from the model's (ratios e^-2.5 .. e^2.5, both advantage signs):
+    the verl backend's step equals the torch backend's, and verl's own dual clip would not."""
+    pytest.importorskip("verl")
+    from squall.trainer.backend import make_backend
+
+    model_path = make_tiny_model(tmp_path / "model")
+    config = config_for(tmp_path, model_path, max_tokens_per_microbatch=64)
+    torch_backend = make_backend("torch", config)
+    samples = []
+    gen = np.random.default_rng(0)
+    for i, adv in enumerate([1.0, -1.0, 1.0, -1.0]):
+        t = sampled_trajectory(torch_backend.model, "g", i, 1.0 if adv > 0 else 0.0, seed=i, turns=2)
+        for s in trajectory_to_samples(t, advantage=adv):
+            shift = gen.uniform(1.0, 2.5, s.length) * gen.choice([-1.0, 1.0], s.length)
+            s.behaviour_logprobs = (s.behaviour_logprobs + shift * s.loss_mask).astype(np.float32)
+            samples.append(s)
+    want = torch_backend.train_step(samples)
+    assert want["tis_fraction"] > 0.1 and want["clip_fraction"] > 0.1
+    got = make_backend("verl", config).train_step(samples)
+    # verl's forward runs under bf16 autocast even on CPU, hence the tolerances
+    assert got["pg_loss"] == pytest.approx(want["pg_loss"], abs=2e-2)
+    assert got["tis_fraction"] == pytest.approx(want["tis_fraction"], abs=0.05)
+    assert got["clip_fraction"] == pytest.approx(want["clip_fraction"], abs=0.05)
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=0.1)
+    vanilla = make_backend("verl", config)
+    vanilla.actor_config.policy_loss.loss_mode = "vanilla"  # verl's dual clip at c = tis_cap
+    dual = vanilla.train_step(samples)
+    assert dual["pg_loss"] == pytest.approx(want["pg_loss"], abs=2e-2)  # same value ...
+    assert abs(dual["grad_norm"] - want["grad_norm"]) > 0.2 * want["grad_norm"]  # ... other gradient

@@ -54,6 +54,26 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(delta) - delta - 1.0
 
 
+def ppo_tis_token_loss(
+    logp: torch.Tensor,
+    behaviour_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    tis_cap: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The policy term per token, unweighted: (pg (B, T) differentiable, ratio (B, T), clip
+    active (B, T) bool). Both backends use it (verl's through a registered policy loss)."""
+    log_ratio = (logp - behaviour_logp).clamp(-20.0, 20.0)  # keep exp finite on masked junk
+    ratio = torch.exp(log_ratio)  # (B, T)
+    is_weight = torch.clamp(ratio.detach(), max=tis_cap)
+    unclipped = -advantages * is_weight * torch.exp(logp - logp.detach())
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    pg = torch.maximum(unclipped, clipped)  # (B, T)
+    return pg, ratio, (clipped > unclipped).detach()
+
+
 def ppo_tis_loss(
     logp: torch.Tensor,
     behaviour_logp: torch.Tensor,
@@ -70,12 +90,9 @@ def ppo_tis_loss(
     """All inputs (B, T); logp carries the gradient. Returns the weighted loss and stats."""
     mask = loss_mask > 0
     n = int(mask.sum())
-    log_ratio = (logp - behaviour_logp).clamp(-20.0, 20.0)  # keep exp finite on masked junk
-    ratio = torch.exp(log_ratio)  # (B, T)
-    is_weight = torch.clamp(ratio.detach(), max=tis_cap)
-    unclipped = -advantages * is_weight * torch.exp(logp - logp.detach())
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    pg = torch.maximum(unclipped, clipped)  # (B, T)
+    pg, ratio, clip_active = ppo_tis_token_loss(
+        logp, behaviour_logp, advantages, clip_low=clip_low, clip_high=clip_high, tis_cap=tis_cap
+    )
     pg_loss = (pg * weights).sum()
     loss = pg_loss
     kl_mean = 0.0
@@ -85,7 +102,7 @@ def ppo_tis_loss(
             loss = loss + kl_coef * (kl * weights).sum()
         kl_mean = float(kl.detach()[mask].mean()) if n else 0.0
     with torch.no_grad():
-        clip_active = (clipped > unclipped) & mask
+        clip_active = clip_active & mask
         truncated = (ratio > tis_cap) & mask
         return LossOutput(
             loss=loss,

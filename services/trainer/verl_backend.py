@@ -11,8 +11,11 @@ step, micro-batched by token budget (``use_dynamic_bsz``).
 
 Mapping of squall's loss onto verl's:
 - clip_low / clip_high -> clip_ratio_low / clip_ratio_high (same ratio: to the behaviour policy)
-- tis_cap -> clip_ratio_c: verl's dual clip bounds negative-advantage tokens whose ratio
-  exceeds c (their gradient is dropped, where squall's TIS keeps it at weight c)
+- the policy term itself is squall's (`losses.ppo_tis_token_loss`), registered in verl as
+  the policy loss mode "squall_tis" with tis_cap passed as clip_ratio_c. verl's "vanilla"
+  dual clip differs in one region: a negative-advantage token whose ratio exceeds c has the
+  same loss value (-A*c) but no gradient there, where TIS keeps the gradient at weight c
+  (tests/test_trainer_verl.py checks both statements exactly)
 - loss_agg token -> "token-mean"; trajectory -> "seq-mean-token-mean" (per sample: a
   trajectory split into several samples counts once per sample)
 - kl_coef > 0 -> use_kl_loss with the k3 ("low_var_kl") estimator against a frozen copy.
@@ -33,9 +36,11 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from squall.shared.config import RunConfig
 
 from .backend import TrainerBackend
+from .losses import ppo_tis_token_loss
 from .sequences import Sample
 from .torch_backend import resolve_device
 
@@ -112,6 +117,43 @@ def to_verl_batch(samples: Sequence[Sample], pad_id: int) -> dict[str, torch.Ten
     }
 
 
+SQUALL_LOSS_MODE = "squall_tis"  # verl's policy_loss.loss_mode for squall's PPO-clip + TIS
+
+
+def squall_policy_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """squall's policy term in verl's policy-loss signature, all (B, R): returns (pg_loss,
+    clip fraction, ppo_kl, TIS fraction); `config` is the actor config (clip_ratio_low/high,
+    clip_ratio_c = tis_cap)."""
+    import verl.utils.torch_functional as verl_F
+    from verl.trainer.ppo.core_algos import agg_loss
+
+    cap = float(config.clip_ratio_c)
+    pg, ratio, clipped = ppo_tis_token_loss(
+        log_prob, old_log_prob, advantages,
+        clip_low=float(config.clip_ratio_low), clip_high=float(config.clip_ratio_high), tis_cap=cap,
+    )  # fmt: skip
+    pg_loss = agg_loss(loss_mat=pg, loss_mask=response_mask, loss_agg_mode=loss_agg_mode)
+    ppo_kl = verl_F.masked_mean(old_log_prob - log_prob, response_mask)
+    return (
+        pg_loss, verl_F.masked_mean(clipped.float(), response_mask), ppo_kl.detach(),
+        verl_F.masked_mean((ratio.detach() > cap).float(), response_mask),
+    )  # fmt: skip
+
+
+def register_squall_loss() -> None:
+    """Make SQUALL_LOSS_MODE known to verl's policy-loss registry (idempotent)."""
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+    POLICY_LOSS_REGISTRY.setdefault(SQUALL_LOSS_MODE, squall_policy_loss)
+
+
 def _patch_cpu_memory_probe() -> None:
     """verl's GPUMemoryLogger asks the device for allocated memory even on CPU, where
     torch.cpu has no such call; on CPU report zeros so the actor's update can run."""
@@ -135,6 +177,7 @@ class VerlBackend(TrainerBackend):
         _init_process_group(self.device)
         if self.device.type == "cpu":
             _patch_cpu_memory_probe()
+        register_squall_loss()
         torch.manual_seed(config.run.seed)
         self.model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=torch.float32).to(
             self.device
@@ -155,13 +198,13 @@ class VerlBackend(TrainerBackend):
             "use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": self.cfg.max_tokens_per_microbatch,
             "ppo_epochs": 1, "shuffle": False, "grad_clip": self.cfg.grad_clip,
             "clip_ratio": self.cfg.clip_low, "clip_ratio_low": self.cfg.clip_low,
-            "clip_ratio_high": self.cfg.clip_high, "clip_ratio_c": max(self.cfg.tis_cap, 1.0 + 1e-6),
+            "clip_ratio_high": self.cfg.clip_high, "clip_ratio_c": self.cfg.tis_cap,
             "entropy_coeff": 0.0, "calculate_entropy": True,
             "loss_agg_mode": "token-mean" if self.cfg.loss_agg == "token" else "seq-mean-token-mean",
             "use_kl_loss": self.cfg.kl_coef > 0, "kl_loss_coef": self.cfg.kl_coef, "kl_loss_type": "low_var_kl",
             "ulysses_sequence_parallel_size": 1, "use_remove_padding": False, "use_fused_kernels": False,
             "use_torch_compile": False, "entropy_from_logits_with_chunking": False, "entropy_checkpointing": False,
-            "policy_loss": {"loss_mode": "vanilla"}, "checkpoint": {},
+            "policy_loss": {"loss_mode": SQUALL_LOSS_MODE}, "checkpoint": {},
         })  # fmt: skip
         self.actor = DataParallelPPOActor(self.actor_config, module, self.optimizer)
         self.reference = None
