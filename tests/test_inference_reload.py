@@ -8,6 +8,7 @@ import hashlib
 
 import httpx
 import pytest
+import redis
 import torch
 from inference_helpers import NodeThread, perturbed_versions, recompute_logprobs
 from waiting import wait_for
@@ -182,8 +183,6 @@ def test_the_follower_survives_a_redis_restart(tiny_dir, models, run_name, tmp_p
         )
         assert node.client().chat.completions.create(model="policy", messages=MESSAGES, max_tokens=2).choices
         server = LocalRedis(port=port, data_dir=tmp_path / "redis2").start()  # back, empty
-        import redis
-
         r = redis.Redis.from_url(server.url)
         location, checksum = write_weights(tmp_path, 1, models[1])
         publish(r, run_name, 1, location, checksum)
@@ -191,4 +190,25 @@ def test_the_follower_survives_a_redis_restart(tiny_dir, models, run_name, tmp_p
         assert r.hget(Keys(run_name).versions, "inference:n1") == b"1"
     finally:
         node.stop()
+        server.close()
+
+
+def test_a_node_exits_non_zero_naming_the_url_when_redis_stays_away(tiny_dir, run_name, tmp_path):
+    from runner_helpers import Procs, log_of
+
+    from squall.shared.localredis import LocalRedis, free_port
+
+    server = LocalRedis(data_dir=tmp_path / "redis").start()
+    procs, port = Procs(server.url, run_name, tmp_path, SQUALL_RUN__REDIS_OUTAGE_S="1.5"), free_port()
+    try:
+        node = procs.start("inference", "--model", str(tiny_dir), "--port", str(port), "--node", "n1")
+        wait_for(
+            lambda: b"inference:n1" in redis.Redis.from_url(server.url).hkeys(Keys(run_name).heartbeats), 60
+        )
+        server.close()
+        assert node.wait(30) == 1
+        log = log_of(node)
+        assert '"redis_outage"' in log and f"127.0.0.1:{server.port}" in log and "did not come back" in log
+    finally:
+        procs.stop_all()
         server.close()

@@ -9,12 +9,14 @@ import time
 
 import httpx
 import pytest
-from runner_helpers import Procs, dispatch, trajectories
+import redis
+from runner_helpers import Procs, dispatch, log_of, trajectories
 from waiting import wait_for
 
 from squall.shared import bus, schemas
 from squall.shared.keys import Keys
 from squall.shared.ledger import Ledger
+from squall.shared.localredis import LocalRedis
 
 pytestmark = pytest.mark.redis
 
@@ -165,3 +167,55 @@ def test_reward_fn_from_config_scores_the_final_answer(r, run_name, procs, tmp_p
     wait_for(settled(r, run_name, 1), 20, "the attempt")
     (traj,) = trajectories(r, run_name)
     assert (traj.status, traj.reward) == ("ok", 0.0)  # no LLM call, so no final answer: 0 from reward_fn
+
+
+@pytest.mark.slow
+def test_runner_rides_through_a_redis_restart_and_finishes_each_attempt_once(run_name, tmp_path):
+    """Redis (AOF on) stops while attempts run and comes back longer than a lease later: the
+    attempts finish, each published once, and the outage is logged and counted once."""
+    server = LocalRedis(data_dir=tmp_path / "redis", aof=True).start()
+    procs = Procs(server.url, run_name, tmp_path, SQUALL_RUNNER__LEASE_S="1", SQUALL_RUNNER__HEARTBEAT_S="0.2",
+                  SQUALL_RUN__LOG_LEVEL="INFO")  # fmt: skip
+    try:
+        r = redis.Redis.from_url(server.url)
+        keys = Keys(run_name)
+        sent = dispatch(r, run_name, [{"sleep": 3, "reward": 1}] * 2)
+        runner = procs.start("runner", "--agent", "runner_agents:trivial", "--concurrency", "2")
+        wait_for(lambda: Ledger(r, keys).counts().get("running", 0) == 2, 20, "both attempts running")
+        server.close()
+        time.sleep(1.5)  # longer than the lease: the runner's own reclaim finds its entries again
+        server = LocalRedis(port=server.port, data_dir=tmp_path / "redis", aof=True).start()
+        r = redis.Redis.from_url(server.url)
+        wait_for(settled(r, run_name, 2), 30, "both attempts published")
+        time.sleep(0.5)  # a second trajectory would show up now
+        trajs = trajectories(r, run_name)
+        assert sorted(t.key for t in trajs) == sorted(t.key for t in sent) and all(
+            t.status == "ok" for t in trajs
+        )
+        assert Ledger(r, keys).counts() == {"dispatched": 2, "ok": 2}
+        assert r.xpending(keys.tasks, "runners")["pending"] == 0 and runner.poll() is None
+        (beat,) = [json.loads(v) for v in r.hvals(keys.heartbeats)]
+        metrics = httpx.get(f"http://127.0.0.1:{beat['metrics_port']}/metrics", timeout=5).text
+        assert 'squall_errors_total{kind="redis_outage"} 1.0' in metrics
+        log = log_of(runner)
+        assert log.count('"redis_outage"') == 1 and '"redis_back"' in log
+    finally:
+        procs.stop_all()
+        server.close()
+
+
+def test_runner_exits_non_zero_naming_the_url_when_redis_stays_away(run_name, tmp_path):
+    server = LocalRedis(data_dir=tmp_path / "redis").start()
+    procs = Procs(server.url, run_name, tmp_path, SQUALL_RUN__REDIS_OUTAGE_S="1.5")
+    try:
+        r = redis.Redis.from_url(server.url)
+        dispatch(r, run_name, [{"sleep": 30, "reward": 1}])
+        runner = procs.start("runner", "--agent", "runner_agents:trivial")
+        wait_for(lambda: Ledger(r, Keys(run_name)).counts().get("running", 0) == 1, 20, "the attempt running")
+        server.close()
+        assert runner.wait(20) == 1
+        log = log_of(runner)
+        assert "redis_unavailable" in log and f"127.0.0.1:{server.port}" in log and "did not come back" in log
+    finally:
+        procs.stop_all()
+        server.close()

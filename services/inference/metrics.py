@@ -49,12 +49,20 @@ class InferenceMetrics:
             registry=r,
         )
         self.redis_errors = Counter(
-            "squall_inference_redis_errors", "Failed reads of the weights stream (retried)", registry=r
+            "squall_inference_redis_errors", "Redis outages the weight follower rode through", registry=r
+        )
+        # The standard squall name (squall.ops.metrics): kind="redis_outage" as in every service.
+        self.errors = Counter(
+            "squall_errors", "Caught-and-retried or dead-lettered errors, by kind", ["kind"], registry=r
         )
         self.running = Gauge("squall_inference_running_sequences", "Sequences decoding now", registry=r)
         self.waiting = Gauge(
             "squall_inference_waiting_requests", "Requests waiting for a batch slot", registry=r
         )
+
+    def count_redis_outage(self) -> None:
+        self.redis_errors.inc()
+        self.errors.labels(kind="redis_outage").inc()
 
     def watch_engine(self, stats: Callable[[], dict[str, int]]) -> None:
         self.running.set_function(lambda: stats()["running"])

@@ -6,11 +6,13 @@ Parts, each its own module, wired here and nowhere else:
 - server.py — the HTTP API (FastAPI) over the engine; protocol.py validates request bodies,
   tools.py renders and parses tool calls;
 - reload.py — follows the `weights` stream, verifies and hot-loads new versions, acknowledges
-  them, and writes the heartbeat;
+  them, and writes the heartbeat; rides through Redis outages (shared.retry);
 - metrics.py — the Prometheus registry behind /metrics.
 
 Start-up order: load the model, load the newest published weights (so a restarted node never
 serves a stale version), then listen. Shutdown: stop listening, stop following, stop the engine.
+A follower that fails (Redis away past `run.redis_outage_s`, or anything else) stops the node,
+which then exits non-zero so its supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ import threading
 import structlog
 
 from squall.shared.config import RunConfig
-from squall.shared.errors import ConfigError
+from squall.shared.errors import ConfigError, RedisUnavailable
 from squall.shared.keys import Keys
+from squall.shared.retry import RedisOutage
 
 from .engine import make_engine
 from .metrics import InferenceMetrics
@@ -46,6 +49,7 @@ class InferenceNode:
         self.ready = threading.Event()  # set once the node accepts requests
         self.engine = None
         self.follower = None
+        self.failure: BaseException | None = None  # why the follower stopped the node, if it did
         self._server = None
 
     def _public_host(self) -> str:
@@ -75,10 +79,13 @@ class InferenceNode:
         try:
             if section.follow_weights:
                 redis_client = await self._redis()
-                keys = Keys(self.config.run.name)
+                run = self.config.run
+                outage = RedisOutage(run.redis_url, run.redis_outage_s, log=log,
+                                     on_outage=self.metrics.count_redis_outage)  # fmt: skip
                 self.follower = WeightFollower(
-                    redis_client, keys, engine, node=self.node, url=self.url, metrics=self.metrics
-                )
+                    redis_client, Keys(run.name), engine, node=self.node, metrics=self.metrics,
+                    outage=outage, metrics_port=section.port,
+                )  # fmt: skip
                 await self.follower.catch_up()
                 follow_task = asyncio.create_task(self.follower.run(), name="weight-follower")
                 follow_task.add_done_callback(self._follower_ended)
@@ -143,7 +150,9 @@ class InferenceNode:
             return
         # A node that silently stopped following would serve stale weights forever: stop
         # instead, so the supervisor (systemd, squall up) restarts it.
-        log.error("weights_follower_failed", error=repr(task.exception()), node=self.node)
+        self.failure = task.exception()
+        log.error("weights_follower_failed", error=str(self.failure), kind=type(self.failure).__name__,
+                  node=self.node)  # fmt: skip
         self.stop()
 
     def stop(self) -> None:
@@ -167,5 +176,11 @@ def _quiet_server_class():
 
 
 def run(config: RunConfig, model_dir: str | None = None) -> int:
-    asyncio.run(InferenceNode(config, model_dir).serve())
-    return 0
+    """Serve until stopped: 0 after a clean stop, 1 when Redis (or the follower) failed."""
+    node = InferenceNode(config, model_dir)
+    try:
+        asyncio.run(node.serve())
+    except RedisUnavailable as exc:  # no Redis at start-up
+        log.error("inference_exit", error=str(exc))
+        return 1
+    return 0 if node.failure is None else 1

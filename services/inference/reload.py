@@ -6,30 +6,33 @@ blocks on XREAD from that entry. Of a burst of versions only the newest is loade
 is loaded only after its file's sha256 matches the announced checksum; a missing, corrupt or
 mismatched file is logged and counted (`squall_inference_weight_errors_total{reason}`) and the
 node keeps serving the version it had. On success it XADDs WeightApplied to
-`weights:applied` and sets `versions[inference:<node>]`. It also writes the node's heartbeat.
+`weights:applied` and sets `versions[inference:<node>]`. It also writes the node's heartbeat
+(`inference:<node>`, through shared.heartbeat). While Redis does not answer, the node keeps
+serving and its reads and acknowledgements wait for Redis (shared.retry's one policy: logged,
+counted in `squall_inference_redis_errors_total`); past `run.redis_outage_s` the follower
+raises RedisUnavailable and the node stops.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from pathlib import Path
 from typing import Any
 
-import redis
 import structlog
 
 from squall.shared import schemas
 from squall.shared.errors import SchemaError, WeightsError
+from squall.shared.heartbeat import HeartbeatWriter
 from squall.shared.keys import Keys
+from squall.shared.retry import REDIS_ERRORS, RedisOutage
 from squall.shared.weightfiles import sha256_file
 
 from .engine import Engine
 from .metrics import InferenceMetrics
 
 BLOCK_MS = 2000  # longest XREAD wait; also the heartbeat interval
-RETRY_MIN_S, RETRY_MAX_S = 0.5, 5.0  # backoff between reads while Redis does not answer
 
 log = structlog.get_logger()
 
@@ -38,10 +41,19 @@ class WeightFollower:
     """Keeps one node's engine on the newest good weight version."""
 
     def __init__(
-        self, r: Any, keys: Keys, engine: Engine, *, node: str, url: str, metrics: InferenceMetrics
+        self,
+        r: Any,
+        keys: Keys,
+        engine: Engine,
+        *,
+        node: str,
+        metrics: InferenceMetrics,
+        outage: RedisOutage,
+        metrics_port: int = 0,
     ) -> None:
         self.r, self.keys, self.engine = r, keys, engine  # r: a redis.asyncio client
-        self.node, self.url, self.metrics = node, url, metrics
+        self.node, self.metrics, self.outage, self.metrics_port = node, metrics, outage, metrics_port
+        self.beats = HeartbeatWriter(r, keys, "inference", node, every_s=BLOCK_MS / 1000)
         self.last_id = "0-0"  # the stream entry read last
         self._stopping = False
 
@@ -57,21 +69,12 @@ class WeightFollower:
         await self.heartbeat()
 
     async def run(self) -> None:
-        backoff = RETRY_MIN_S
+        """Follow until stopped; RedisUnavailable when Redis stays away past the outage deadline."""
         while not self._stopping:
             try:
                 await self._follow_once()
-                backoff = RETRY_MIN_S
-            except (redis.ConnectionError, redis.TimeoutError) as exc:  # Redis restarts: retry
-                self.metrics.redis_errors.inc()
-                log.warning(
-                    "weights_follow_retry",
-                    error=str(exc),
-                    retry_in_s=backoff,
-                    serving=self.engine.weight_version,
-                )
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, RETRY_MAX_S)
+            except REDIS_ERRORS as exc:  # Redis restarts: wait for it, then read on from last_id
+                await self.outage.wait_async(self.r, exc, "weights_follow")
 
     async def _follow_once(self) -> None:
         reply = await self.r.xread({self.keys.weights: self.last_id}, count=64, block=BLOCK_MS)
@@ -144,9 +147,8 @@ class WeightFollower:
         return True
 
     async def _acknowledge(self, applied: schemas.WeightApplied) -> None:
-        """XADD WeightApplied and set our versions field; retried while Redis is away, since
-        the stream entry that announced the version will not be read again."""
-        backoff = RETRY_MIN_S
+        """XADD WeightApplied and set our versions field; repeated after an outage, since the
+        stream entry that announced the version will not be read again."""
         while True:
             try:
                 pipe = self.r.pipeline(transaction=False)
@@ -154,13 +156,10 @@ class WeightFollower:
                 pipe.hset(self.keys.versions, f"inference:{self.node}", applied.version)
                 await pipe.execute()
                 return
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
+            except REDIS_ERRORS as exc:
                 if self._stopping:
                     raise
-                self.metrics.redis_errors.inc()
-                log.warning("weights_ack_retry", version=applied.version, error=str(exc), retry_in_s=backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, RETRY_MAX_S)
+                await self.outage.wait_async(self.r, exc, "weights_ack")
 
     @staticmethod
     def _verify(message: schemas.WeightVersion) -> None:
@@ -179,13 +178,10 @@ class WeightFollower:
             )
 
     async def heartbeat(self) -> None:
-        beat = {
-            "time": time.time(),
-            "version": self.engine.weight_version,
-            "url": self.url,
-            **self.engine.stats(),
-        }
-        await self.r.hset(self.keys.heartbeats, f"inference:{self.node}", json.dumps(beat))
+        """`inference:<node>`: the version served, where /metrics listens, the engine's counts."""
+        await self.beats.beat_async(
+            version=self.engine.weight_version, metrics_port=self.metrics_port, **self.engine.stats()
+        )
 
 
 def _text(value: bytes | str) -> str:
