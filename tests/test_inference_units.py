@@ -134,3 +134,82 @@ def test_unknown_backend_is_named_with_the_known_ones():
     object.__setattr__(config.inference, "backend", "tensorrt")  # past the config's own check
     with pytest.raises(ValueError, match="unknown inference backend 'tensorrt'; known backends: torch, vllm"):
         make_engine(config, "/nonexistent")
+
+
+# --- response rendering (render.py), without a server --------------------------------------
+
+
+def _reply(**fields):
+    from squall.inference.render import Reply, TokenTexts
+
+    texts = TokenTexts(lambda ids: "".join(chr(ord("a") + i % 26) for i in ids))
+    base = {"meta": {"id": "x", "created": 0, "model": "policy"}, "node": "n1", "prompt_ids": [1, 2],
+            "token_texts": texts, "logprobs": True, "return_token_ids": True}  # fmt: skip
+    return Reply(**{**base, **fields})
+
+
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+1"}}\n</tool_call>'
+
+
+def test_render_chat_choice_parses_tool_calls_only_when_tools_were_offered():
+    from squall.inference.engine import Delta
+    from squall.inference.render import Choice, chat_choice
+
+    c = Choice()
+    c.add(
+        Delta(
+            index=0, token_ids=[3, 4], logprobs=[-0.5, float("-inf")], text="ok " + CALL, finish_reason="stop"
+        )
+    )
+    plain = chat_choice(_reply(), 0, c)
+    assert (
+        plain["message"] == {"role": "assistant", "content": "ok " + CALL}
+        and plain["finish_reason"] == "stop"
+    )
+    assert [e["logprob"] for e in plain["logprobs"]["content"]] == [-0.5, -1e4]  # -inf is not JSON
+    assert [e["token"] for e in plain["logprobs"]["content"]] == ["d", "e"]
+    assert (plain["prompt_token_ids"], plain["token_ids"]) == ([1, 2], [3, 4])
+    tools = chat_choice(_reply(tool_choice="auto", logprobs=False, return_token_ids=False), 0, c)
+    assert tools["finish_reason"] == "tool_calls" and tools["message"]["content"] == "ok"
+    (call,) = tools["message"]["tool_calls"]
+    assert call["function"]["name"] == "calculator" and json.loads(call["function"]["arguments"]) == {
+        "expression": "1+1"
+    }
+    assert tools["logprobs"] is None and "token_ids" not in tools
+
+
+def test_render_streamed_chat_holds_text_back_until_the_tool_call_ends():
+    import asyncio
+
+    from squall.inference.engine import Delta
+    from squall.inference.render import chat_chunks
+
+    prefix = "<tool_call>\n"
+    rest = CALL.removeprefix(prefix)
+    deltas = [Delta(index=0, token_ids=[5], logprobs=[-1.0], text=rest[:10], weight_version=7),
+              Delta(index=0, token_ids=[6], logprobs=[-2.0], text=rest[10:], finish_reason="stop", weight_version=7)]  # fmt: skip
+    counted = []
+
+    async def run():
+        async def more():
+            yield deltas[1]
+
+        reply = _reply(prefix=prefix, tool_choice="required")
+        return [
+            c async for c in chat_chunks(reply, deltas[0], more(), include_usage=True, on_done=counted.append)
+        ]
+
+    chunks = [json.loads(c.removeprefix(b"data: ")) for c in asyncio.run(run())]
+    first, last, usage = chunks
+    assert first["choices"][0]["delta"] == {"role": "assistant"}  # text held back
+    assert first["choices"][0]["prompt_token_ids"] == [1, 2] and first["weight_version"] == 7
+    assert (
+        last["choices"][0]["finish_reason"] == "tool_calls" and "prompt_token_ids" not in last["choices"][0]
+    )
+    assert last["choices"][0]["delta"]["tool_calls"][0]["index"] == 0
+    assert usage["choices"] == [] and usage["usage"] == {
+        "prompt_tokens": 2,
+        "completion_tokens": 2,
+        "total_tokens": 4,
+    }
+    assert counted == [2] and all(c["node"] == "n1" for c in chunks)
