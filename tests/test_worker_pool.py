@@ -14,16 +14,15 @@ import time
 
 import httpx
 import pytest
-import redis
 from rq import Queue, Worker
 from rq.job import Job, JobStatus
 
-from squall.shared.config import WorkerSection
 from squall.shared.localredis import free_port
-from squall.worker.client import ToolError, Tools, failure_reason
+from squall.worker.client import ToolError, failure_reason
 from squall.worker.queues import queue_name, serializer
 from squall.worker.status import format_summary, pool_summary
 from tests.waiting import wait_for
+from tests.worker_helpers import running_pool
 
 pytestmark = pytest.mark.redis
 
@@ -66,32 +65,12 @@ def _settings(tmp) -> dict[str, str]:
 def pool(redis_url, tmp_path_factory):
     """`squall worker --workers 1 --http-port P` for run RUN; yields what tests need."""
     tmp = tmp_path_factory.mktemp("pool")
-    settings = _settings(tmp)
     port = free_port()
-    env = {**os.environ, **settings, "SQUALL_RUN__REDIS_URL": redis_url, "SQUALL_RUN__NAME": RUN,
-           "SQUALL_RUN__AUTOSTART_REDIS": "false", "PYTHONUNBUFFERED": "1"}  # fmt: skip
-    log = open(tmp / "worker.log", "wb")  # noqa: SIM115 - the child writes it for the module's life
-    process = subprocess.Popen(
-        [sys.executable, "-m", "squall.cli", "worker", "--workers", "1", "--http-port", str(port)],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    r = redis.Redis.from_url(redis_url)
-    code_queue = Queue(queue_name(RUN, "code"), connection=r)
-    section = WorkerSection(**{k.removeprefix("SQUALL_WORKER__").lower(): json.loads(v) if v[0] in "[{" else v
-                               for k, v in settings.items()})  # fmt: skip
-    tools = Tools(r, RUN, section)
-    try:
-        wait_for(lambda: Worker.count(queue=code_queue) >= 1, 60, "a registered rq worker")
+    with running_pool(
+        redis_url, RUN, _settings(tmp), tmp / "worker.log", ("--workers", "1", "--http-port", str(port))
+    ) as p:
         wait_for(lambda: _http_up(port), 30, "the tools' HTTP front")
-        yield {"r": r, "tools": tools, "process": process, "port": port, "log": tmp / "worker.log"}
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=40)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=10)
-        log.close()
+        yield {**p, "port": port}
 
 
 def _http_up(port: int) -> bool:
