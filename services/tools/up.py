@@ -160,7 +160,7 @@ class Up:
     def _watch(self) -> int:
         deadline = self.started + self.args.minutes * 60 if self.args.minutes else float("inf")
         while not self.stop.wait(PROGRESS_EVERY_S):
-            print(self._progress_line(), flush=True)
+            print(self._progress_or_outage(), flush=True)
             by_name = {proc.name: proc for proc in self.processes}
             scheduler = by_name["scheduler"]
             if scheduler.exit_code == 0:
@@ -189,7 +189,9 @@ class Up:
         # Runners first (they hand back in-flight work), then who feeds them, inference last.
         order = sorted(
             self.processes,
-            key=lambda p: ("runner", "worker", "scheduler", "trainer", "inference").index(p.name.split("-")[0]),
+            key=lambda p: ("runner", "worker", "scheduler", "trainer", "inference").index(
+                p.name.split("-")[0]
+            ),
         )
         codes = stop_all(order, GRACE_S)
         unclean = {name: code for name, code in codes.items() if code not in (0, None, -signal.SIGTERM)}
@@ -201,6 +203,17 @@ class Up:
         from squall.tools.progress import snapshot
 
         return snapshot(self.r, self.keys)
+
+    def _progress_or_outage(self) -> str:
+        """The progress line; while Redis is away, a line saying so (the services ride it out)."""
+        from squall.shared.redisconn import redact
+        from squall.shared.retry import REDIS_ERRORS
+
+        try:
+            return self._progress_line()
+        except REDIS_ERRORS as exc:
+            minutes = (time.monotonic() - self.started) / 60
+            return f"[{minutes:5.1f} min] Redis at {redact(self.config.run.redis_url)} is away ({exc})"
 
     def _progress_line(self) -> str:
         s = self._snapshot()
