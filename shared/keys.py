@@ -26,6 +26,10 @@ RQ_PREFIX = "rq"
 METRICS_MAXLEN = 100_000
 EVENTS_MAXLEN = 100_000
 DEADLETTER_MAXLEN = 1_000_000
+# One entry per published version (and per node and version applied): an inference node reads
+# the newest entry at start and follows from there, so old announcements are never read again.
+WEIGHTS_MAXLEN = 10_000
+WEIGHTS_APPLIED_MAXLEN = 10_000
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import structlog
 from squall.shared import schemas
 from squall.shared.errors import SchemaError, WeightsError
 from squall.shared.heartbeat import HeartbeatWriter
-from squall.shared.keys import Keys
+from squall.shared.keys import WEIGHTS_APPLIED_MAXLEN, Keys
 from squall.shared.retry import REDIS_ERRORS, RedisOutage
 from squall.shared.weightfiles import sha256_file
 
@@ -152,7 +152,10 @@ class WeightFollower:
         while True:
             try:
                 pipe = self.r.pipeline(transaction=False)
-                pipe.xadd(self.keys.weights_applied, {schemas.ENTRY_FIELD: schemas.encode(applied)})
+                pipe.xadd(
+                    self.keys.weights_applied, {schemas.ENTRY_FIELD: schemas.encode(applied)},
+                    maxlen=WEIGHTS_APPLIED_MAXLEN, approximate=True,
+                )  # fmt: skip
                 pipe.hset(self.keys.versions, f"inference:{self.node}", applied.version)
                 await pipe.execute()
                 return

@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import redis
+
 from squall.shared import bus
-from squall.shared.keys import Keys
+from squall.shared.keys import WEIGHTS_MAXLEN, Keys
 from squall.shared.schemas import WeightVersion
 from squall.shared.weightfiles import sha256_file, version_dir
 
@@ -54,7 +55,7 @@ class Publisher:
         message = WeightVersion(
             run=self.keys.run, version=version, step=step, location=str(path.resolve()), checksum=checksum
         )
-        bus.publish(self.r, self.keys.weights, message)
+        bus.publish(self.r, self.keys.weights, message, maxlen=WEIGHTS_MAXLEN)
         self.r.hset(self.keys.versions, "trainer", version)
         return message
 
