@@ -32,7 +32,7 @@ from urllib.parse import quote
 
 from squall.shared.keys import Keys
 
-SERVICES = ("scheduler", "runner", "trainer", "inference", "monitor")
+SERVICES = ("scheduler", "runner", "trainer", "inference", "monitor", "worker")
 ADMIN_USER = "admin"  # full rights, for operators' redis-cli and migrations; never given to a service
 PASSWORD_BYTES = 32  # 256 random bits per generated password
 ACL_FILE = "users.acl"
@@ -63,6 +63,19 @@ HASH_WRITE = ("hset", "hdel", "hincrby")
 SCRIPT = ("evalsha",)
 # Read-only keyspace look-ups a monitor may make on the run's keys.
 KEY_INFO = ("exists", "type")
+
+# rq (the tool pool, services/worker), found by recording a pool's and its clients' traffic
+# (redis-cli MONITOR): jobs are hashes, queues lists, registries sorted sets, results streams,
+# worker sets; WATCH/MULTI for status changes; EVALSHA for its locking scripts. rq's keys are
+# `rq:*` for every run alike (job ids are global): a user that may use rq may touch any rq job.
+RQ_KEYS = "rq:*"
+RQ_READ = ("hget", "hmget", "hgetall", "hexists", "hlen", "exists", "type", "ttl", "pttl", "smembers", "scard",
+           "sismember", "zcard", "zcount", "zrange", "zrangebyscore", "zscore", "lrange", "llen", "lindex",
+           "lpos", "xread", "xrange", "xrevrange", "xlen", "get")
+RQ_WRITE = ("hset", "hdel", "hincrby", "hincrbyfloat", "set", "del", "unlink", "expire", "pexpire", "persist",
+            "sadd", "srem", "zadd", "zrem", "zremrangebyscore", "zpopmin", "rpush", "lpush", "lpop", "blpop",
+            "lrem", "lmove", "blmove", "xadd", "xtrim", "watch", "unwatch", "evalsha")
+RQ_WORKER_KEYLESS = ("info", "client|info", "subscribe", "unsubscribe")  # + channel rq:pubsub:* (worker commands)
 
 
 @dataclass(frozen=True)
@@ -134,20 +147,31 @@ MATRIX: dict[str, tuple[Grant, ...]] = {
     # Dashboard and `squall status`: reads everything of the run, writes nothing.
     "monitor": (
         Grant(STREAM_READ + STREAM_GROUP_INFO + HASH_READ + KEY_INFO, ("*",), write=False),
+        Grant(RQ_READ, (RQ_KEYS,), write=False),  # the tool pool's queues and workers
+    ),
+    # The tool pool (`squall worker`): rq's keys only, nothing of the run's streams or hashes.
+    "worker": (
+        Grant(RQ_READ + RQ_WRITE, (RQ_KEYS,), write=True),
     ),
 }  # fmt: skip
+# Agents run inside the runner and enqueue tool jobs with its credentials (worker/client.py).
+MATRIX["runner"] = (*MATRIX["runner"], Grant(RQ_READ + RQ_WRITE, (RQ_KEYS,), write=True))
 
 
 def key_names(keys: Keys, name: str) -> str:
-    """A Keys attribute's key, or `*` for every key of the run."""
+    """A Keys attribute's key, `*` for every key of the run, or rq's own pattern."""
+    if name == RQ_KEYS:
+        return RQ_KEYS
     return keys.key_for("*") if name == "*" else getattr(keys, name)
 
 
 def rules_for(service: str, keys: Keys) -> list[str]:
     """The ACL rules (root grant first, then selectors) of one service user, without the password."""
-    grants = (*MATRIX[service], *(_COMMON_GRANTS if service != "monitor" else ()))
+    grants = (*MATRIX[service], *(_COMMON_GRANTS if service not in ("monitor", "worker") else ()))
     parts = ["on", "resetchannels", "resetkeys", "-@all"]
     parts += [f"+{c}" for c in (*CONNECTION, *(WRITER_KEYLESS if service != "monitor" else ()))]
+    if service == "worker":  # rq workers listen for stop/kill commands on their own channel
+        parts += [f"+{c}" for c in RQ_WORKER_KEYLESS] + ["&rq:pubsub:*"]
     for grant in grants:
         commands = " ".join(f"+{c}" for c in _unique(grant.commands))
         prefix = "~" if grant.write else "%R~"
@@ -237,7 +261,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--password", action="append", default=[], metavar="USER=SECRET",
         help="use this password instead of a generated one (user: scheduler, runner, trainer, "
-        "inference, monitor, admin); repeatable",
+        "inference, monitor, worker, admin); repeatable",
     )  # fmt: skip
     parser.add_argument(
         "--acl-mode",
