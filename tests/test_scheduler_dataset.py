@@ -7,6 +7,7 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+
 from squall.scheduler import dataset as ds
 from squall.shared.errors import ConfigError
 

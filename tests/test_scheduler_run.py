@@ -10,13 +10,14 @@ import time
 
 import pytest
 from runner_helpers import SQUALL, Procs, events, log_of, tasks, trajectories, write_jsonl
+from waiting import wait_for
+
 from squall.scheduler.scheduler import Scheduler
 from squall.scheduler.status import collect
 from squall.shared import bus, schemas
 from squall.shared.config import load_config
 from squall.shared.keys import Keys
 from squall.shared.ledger import Ledger
-from waiting import wait_for
 
 pytestmark = pytest.mark.redis
 
