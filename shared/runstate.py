@@ -292,7 +292,7 @@ def read_metrics(r: redis.Redis, keys: Keys, count: int | None, skipped: dict[st
 
 def read_deadletters(r: redis.Redis, keys: Keys, count: int) -> list[DeadLetter]:
     rows = []
-    for entry_id, fields in r.xrevrange(keys.deadletter, count=count) if count > 0 else []:
+    for entry_id, fields in _newest(r, keys.deadletter, count)[::-1]:
         text = {_text(k): _text(v)[:300] for k, v in fields.items() if _text(k) != "raw"}
         rows.append(DeadLetter(entry=_text(entry_id), fields=text))
     return rows
@@ -300,7 +300,7 @@ def read_deadletters(r: redis.Redis, keys: Keys, count: int) -> list[DeadLetter]
 
 def read_events(r: redis.Redis, keys: Keys, count: int) -> list[schemas.Event]:
     events = []
-    for _, fields in r.xrevrange(keys.events, count=count) if count > 0 else []:
+    for _, fields in _newest(r, keys.events, count)[::-1]:
         try:
             events.append(_decode_entry(fields, schemas.Event))
         except Exception:
