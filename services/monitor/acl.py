@@ -75,7 +75,9 @@ RQ_READ = ("hget", "hmget", "hgetall", "hexists", "hlen", "exists", "type", "ttl
 RQ_WRITE = ("hset", "hdel", "hincrby", "hincrbyfloat", "set", "del", "unlink", "expire", "pexpire", "persist",
             "sadd", "srem", "zadd", "zrem", "zremrangebyscore", "zpopmin", "rpush", "lpush", "lpop", "blpop",
             "lrem", "lmove", "blmove", "xadd", "xtrim", "watch", "unwatch", "evalsha")
-RQ_WORKER_KEYLESS = ("info", "client|info", "subscribe", "unsubscribe")  # + channel rq:pubsub:* (worker commands)
+# + channel rq:pubsub:* (stop/kill commands to workers). No INFO: the pool tells rq the server
+# version from HELLO (worker/queues.py), as INFO is refused to every service user.
+RQ_WORKER_KEYLESS = ("client|info", "subscribe", "unsubscribe")
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from typing import Any
 
 from squall.shared.config import WorkerSection
 from squall.shared.errors import ToolError
-from squall.worker.queues import FUNCTIONS, check_tool, queue_name, serializer
+from squall.worker.queues import FUNCTIONS, check_tool, queue_name, serializer, tell_rq_the_server_version
 
 BLOCK_SLICE_MS = 1000  # longest single XREAD BLOCK (well under the client's socket timeout)
 TTL_MARGIN_S = 10  # a queued job outlives its caller's deadline by this much, so the caller can cancel it
@@ -57,6 +57,8 @@ class Tools:
     """Calls on one run's pool through Redis (the agent-facing functions wrap a default one)."""
 
     def __init__(self, connection: Any, run: str, settings: WorkerSection | None = None) -> None:
+        if connection is not None:
+            tell_rq_the_server_version(connection)
         self.r, self.run, self.settings = connection, run, settings or WorkerSection()
 
     @classmethod

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from squall.shared.config import RunConfig
 from squall.worker import jobs
-from squall.worker.queues import queue_name, serializer
+from squall.worker.queues import queue_name, serializer, tell_rq_the_server_version
 
 PR_SET_PDEATHSIG = 1
 RESTART_PAUSE_S = 1.0  # before restarting a worker that died
@@ -57,7 +57,7 @@ def work_one(config: RunConfig, tools: list[str], name: str | None = None, burst
 
     settings = config.worker
     jobs.configure(settings)
-    r = connect(config.run.redis_url, autostart=False)
+    r = tell_rq_the_server_version(connect(config.run.redis_url, autostart=False))
     queues = [Queue(queue_name(config.run.name, t), connection=r, serializer=serializer()) for t in tools]
     worker = _pool_worker_class()(queues, connection=r, name=name, serializer=serializer(),
                     default_result_ttl=settings.result_ttl_s, maintenance_interval=settings.maintenance_s,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from squall.shared.errors import ToolError
 from squall.shared.keys import Keys
 
@@ -31,3 +33,18 @@ def serializer() -> type:
     from rq.serializers import JSONSerializer
 
     return JSONSerializer
+
+
+def tell_rq_the_server_version(r: Any) -> Any:
+    """Cache the server version on `r` the way rq does, from HELLO instead of INFO.
+
+    rq asks INFO once per connection (to pick BLMOVE over BLPOP, and to stamp jobs); INFO is
+    refused to every squall ACL user (it shows the whole server), and rq would then assume
+    Redis 5.0.9. HELLO without a protocol version answers the same in RESP2 and is allowed.
+    """
+    reply = r.execute_command("HELLO")
+    fields = dict(zip(reply[::2], reply[1::2], strict=False)) if isinstance(reply, list) else dict(reply)
+    version = fields.get(b"version", fields.get("version", b"0"))
+    parts = [int(p) for p in (version.decode() if isinstance(version, bytes) else str(version)).split(".")[:3]]
+    setattr(r, "__rq_redis_server_version", tuple((parts + [0, 0, 0])[:3]))
+    return r
