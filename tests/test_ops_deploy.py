@@ -26,6 +26,7 @@ CONTAINERS = ROOT / "deploy" / "containers"
 SERVICE_UNITS = {
     "squall-scheduler.service": "squall-scheduler.service",
     "squall-runner@.service": "squall-runner@3.service",
+    "squall-worker@.service": "squall-worker@1.service",
     "squall-trainer.service": "squall-trainer.service",
     "squall-inference@.service": "squall-inference@8000.service",
     "squall-dashboard.service": "squall-dashboard.service",
@@ -136,7 +137,7 @@ def test_unit_policy(name):
     command = service["ExecStart"].split()
     assert command[0] == "/opt/squall/venv/bin/squall" and command[1] in COMMANDS, command
     own_env = {"scheduler": "scheduler", "runner": "runner", "trainer": "trainer", "inference": "inference",
-               "dashboard": "monitor"}[command[1]]  # fmt: skip
+               "dashboard": "monitor", "worker": "worker"}[command[1]]  # fmt: skip
     assert own_env in acl.SERVICES
     assert f"-/etc/squall/{own_env}.env" in values(unit, "Service", "EnvironmentFile")
     if command[1] == "runner":  # SIGKILL only after the runner's grace period has passed
