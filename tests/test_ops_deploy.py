@@ -173,7 +173,7 @@ def test_compose_file_matches_the_compose_spec_schema(tmp_path):
 
 def test_compose_brings_up_redis_with_aof_and_acls_and_every_service():
     services = _compose()["services"]
-    assert set(services) == {"redis", "scheduler", "runner", "trainer", "inference", "dashboard"}
+    assert set(services) == {"redis", "scheduler", "runner", "trainer", "inference", "dashboard", "worker"}
     redis_cmd = services["redis"]["command"]
     assert redis_cmd[redis_cmd.index("--appendonly") + 1] == "yes"
     acl_path = redis_cmd[redis_cmd.index("--aclfile") + 1]
