@@ -3,8 +3,10 @@
 Parts, each its own module, wired here and nowhere else:
 - engine.py — the backend interface and factory; torch_engine.py (transformers, continuous
   batching, sampling.py, detokenize.py) and vllm_engine.py implement it;
-- server.py — the HTTP API (FastAPI) over the engine; protocol.py validates request bodies,
-  tools.py renders and parses tool calls;
+- server.py — wires the HTTP API (FastAPI) over the engine: routes.py (one plain handler per
+  route, over state.py's ServerState), render.py (response bodies, SSE chunks, headers),
+  gate.py (API key, request metrics); protocol.py validates request bodies, tools.py
+  renders and parses tool calls;
 - reload.py — follows the `weights` stream, verifies and hot-loads new versions, acknowledges
   them, and writes the heartbeat; rides through Redis outages (shared.retry);
 - metrics.py — the Prometheus registry behind /metrics.

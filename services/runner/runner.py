@@ -235,7 +235,7 @@ class Runner:
         if time.monotonic() - self._last_reclaim > self.section.lease_s / 2:
             self._last_reclaim = time.monotonic()
             deliveries = await asyncio.to_thread(self.consumer.reclaim, lease_ms, free)
-            self.counts["reclaimed"] += len(deliveries)
+            self.counts["reclaimed"] += sum(1 for d in deliveries if d.entry_id not in self.running)
         if not deliveries:
             deliveries = await asyncio.to_thread(self.consumer.read, free, READ_BLOCK_MS)
         for delivery in deliveries:
