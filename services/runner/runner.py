@@ -75,6 +75,9 @@ def finish_script() -> str:
     return lua_move_function() + _FINISH_BODY % ("{" + sources + "}")
 
 
+_FINISH = finish_script()
+
+
 @dataclass
 class Running:
     """One attempt in a slot."""
@@ -105,7 +108,7 @@ class Runner:
             load_callable(self.section.reward_fn, "reward_fn") if self.section.reward_fn else None
         )
         self.gateway = Gateway(self.section, config.model.name)
-        self._finish = r.register_script(finish_script())
+        self._finish = r.register_script(_FINISH)
         self.heartbeat = HeartbeatWriter(r, self.keys, "runner", self.id, every_s=self.section.heartbeat_s)
         self.outage = RedisOutage(config.run.redis_url, config.run.redis_outage_s, log=self.log,
                                   on_outage=self._count_outage)  # fmt: skip
