@@ -9,6 +9,7 @@ import random
 import numpy as np
 import pytest
 import torch
+
 from squall.shared.schemas import Trajectory, Turn, pack_logprobs, pack_tokens
 from squall.trainer.advantages import get_advantage_fn, grpo_advantages, rloo_advantages
 from squall.trainer.filters import decide_group

@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_trainer_step import VOCAB, make_tiny_model, sampled_trajectory
+from waiting import wait_for
+
 from squall.shared import bus
 from squall.shared.keys import GROUP_TRAINER, Keys
 from squall.shared.ledger import Ledger
 from squall.shared.schemas import Trajectory, Turn, pack_logprobs, pack_tokens
-from test_trainer_step import VOCAB, make_tiny_model, sampled_trajectory
-from waiting import wait_for
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[1]

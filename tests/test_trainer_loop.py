@@ -8,12 +8,13 @@ import time
 
 import pytest
 import torch
+from test_trainer_step import config_for, make_tiny_model, sampled_trajectory
+
 from squall.shared import bus
 from squall.shared.keys import GROUP_TRAINER, Keys
 from squall.shared.ledger import Ledger
 from squall.shared.schemas import Trajectory, WeightVersion, decode
 from squall.trainer.main import Trainer
-from test_trainer_step import config_for, make_tiny_model, sampled_trajectory
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
+
 from squall.shared.config import load_config
 from squall.shared.keys import Keys
 from squall.shared.schemas import Trajectory, Turn, WeightVersion, decode, pack_logprobs, pack_tokens
