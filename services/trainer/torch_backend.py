@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from squall.shared.config import RunConfig
 
 from .backend import TrainerBackend
