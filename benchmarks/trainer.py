@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
 from squall.shared import bus
 from squall.shared.config import load_config
 from squall.shared.keys import GROUP_TRAINER, Keys
