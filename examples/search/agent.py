@@ -1,8 +1,9 @@
 """A multi-hop search agent (Search-R1-like) on the plain OpenAI SDK.
 
-The model may call `search(query)`; the agent sends the query to the tool pool's `retrieval`
-queue (BM25 over the generated corpus, served by `squall worker`, see squall.worker.client)
-and shows the top 3 documents. It answers when it replies without a tool call, at most
+Before the first model call the agent searches the question itself and puts the top 3
+passages in the prompt (one hop is then usually in view); the model may call `search(query)`
+for the next hop. Every search goes to the tool pool's `retrieval` queue (BM25 over the
+generated corpus, served by `squall worker`, see squall.worker.client). It answers when it replies without a tool call, at most
 `MAX_TURNS` model calls. Reward (`reward`): 1.0 when the final reply, normalised (lower case,
 no punctuation or articles), equals the answer or ends with it; else 0.0.
 """
@@ -53,9 +54,10 @@ async def agent(task: dict, llm: Any) -> float:
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key or "none", max_retries=0)
+    first = await run_tool("search", json.dumps({"query": task["question"]}))
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM_PROMPT},
-        {"role": "user", "content": task["question"]},
+        {"role": "user", "content": f"{task['question']}\n\nSearch results:\n{first}"},
     ]
     final = None
     try:
