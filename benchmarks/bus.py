@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 import redis
+
 from squall.shared import bus, schemas
 from squall.shared.localredis import LocalRedis
 

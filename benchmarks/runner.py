@@ -134,6 +134,7 @@ def _wait(predicate, timeout: float, what: str) -> None:
 
 def bench_overhead(redis_url: str, calls: int, tmp: Path) -> dict:
     import httpx
+
     from squall.inference.tiny import build_tiny_model
     from squall.shared import schemas
     from squall.shared.keys import Keys
@@ -193,6 +194,7 @@ def _healthy(httpx, url: str) -> bool:
 
 def bench_throughput(redis_url: str, n_tasks: int, n_runners: int) -> dict:
     import redis
+
     from squall.shared.keys import Keys
 
     r = redis.Redis.from_url(redis_url)

@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import torch
+
     from squall.inference.tiny import build_tiny_model
 
     torch.set_num_threads(1)

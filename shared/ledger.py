@@ -252,9 +252,7 @@ class Ledger:
     def filtered(self, attempt_keys: Iterable[str], reason: str) -> int:
         return self.move(attempt_keys, filtered_state(reason))
 
-    def _run(
-        self, attempt_keys: Iterable[str], state: str, sources: Iterable[str], pipe: Any
-    ) -> int | None:
+    def _run(self, attempt_keys: Iterable[str], state: str, sources: Iterable[str], pipe: Any) -> int | None:
         keys = list(attempt_keys)
         if not keys:
             return None if pipe is not None else 0

@@ -286,7 +286,10 @@ def decode_heartbeat(field: bytes | str, raw: bytes | str, run: str) -> Heartbea
     stats = {
         k: float(v)
         for k, v in body.items()
-        if k not in _HEARTBEAT_FIELDS and k != "run" and isinstance(v, int | float) and not isinstance(v, bool)
+        if k not in _HEARTBEAT_FIELDS
+        and k != "run"
+        and isinstance(v, int | float)
+        and not isinstance(v, bool)
     }
     try:
         return msgspec.convert({**known, "run": run, "stats": stats}, Heartbeat, strict=False)
@@ -294,7 +297,9 @@ def decode_heartbeat(field: bytes | str, raw: bytes | str, run: str) -> Heartbea
         raise SchemaError(f"heartbeat {name!r}: {exc}") from None
 
 
-AnyMessage = Task | Trajectory | WeightVersion | WeightApplied | Control | Metrics | Event | RewardPoint | Heartbeat
+AnyMessage = (
+    Task | Trajectory | WeightVersion | WeightApplied | Control | Metrics | Event | RewardPoint | Heartbeat
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _any_decoder = msgspec.msgpack.Decoder(AnyMessage)

@@ -12,6 +12,7 @@ import sys
 import time
 
 import redis
+
 from squall.shared import bus, schemas
 
 LEASE_MS = 300

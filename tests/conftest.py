@@ -11,6 +11,7 @@ import uuid
 
 import pytest
 import redis
+
 from squall.shared.localredis import LocalRedis
 
 

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import redis
+
 from squall.shared import bus, schemas
 from squall.shared.keys import Keys
 from squall.shared.ledger import Ledger

@@ -11,9 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
+from waiting import wait_for
+
 from squall.shared import bus, schemas
 from squall.shared.keys import Keys
-from waiting import wait_for
 
 WORKER = Path(__file__).with_name("busworker.py")
 pytestmark = pytest.mark.redis

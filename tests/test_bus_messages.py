@@ -7,6 +7,7 @@ import math
 import msgspec
 import numpy as np
 import pytest
+
 from squall.shared import bus, schemas
 from squall.shared.errors import SchemaError
 from squall.shared.keys import GROUP_RUNNERS, Keys

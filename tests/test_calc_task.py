@@ -124,8 +124,9 @@ def test_shared_prefix_forward_matches_the_plain_forward(tmp_path):
     import random
 
     import torch
-    from squall.inference.tiny import build_tiny_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from squall.inference.tiny import build_tiny_model
 
     torch.set_num_threads(1)
     path = build_tiny_model(
@@ -143,8 +144,9 @@ def test_shared_prefix_forward_matches_the_plain_forward(tmp_path):
 
 def test_committed_policy_loads_with_the_agreed_template_and_starts_with_a_decision():
     import torch
-    from squall.inference.tiny import CHAT_TEMPLATE
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from squall.inference.tiny import CHAT_TEMPLATE
 
     torch.set_num_threads(1)
     path = ROOT / "examples" / "calc" / "policy"

@@ -11,6 +11,7 @@ import time
 
 import pytest
 import redis
+
 from squall.shared import bus, schemas
 from squall.shared.config import load_config
 from squall.shared.errors import ConfigError

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from squall.shared.localredis import free_port
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,6 +7,7 @@ import ast
 from pathlib import Path
 
 import pytest
+
 from squall.shared.keys import Keys
 from squall.shared.ledger import (
     FINISH_BY_STATUS,

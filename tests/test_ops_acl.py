@@ -17,6 +17,7 @@ import pytest
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+
 from squall.monitor import acl
 from squall.monitor.state import snapshot
 from squall.shared import bus, schemas
@@ -223,7 +224,8 @@ def test_runner_can_do_its_job(users):
 
 def test_runner_finish_script_works(users):
     """runner.py publishes a trajectory, acks its task and moves the ledger in one script."""
-    runner_module = pytest.importorskip("squall.runner.runner", reason="the runner is not there yet")
+    from squall.runner import runner as runner_module
+
     _scheduler_dispatches(users["scheduler"], n=2)
     r = users["runner"]
     consumer = bus.GroupConsumer(r, K.tasks, GROUP_RUNNERS, "runner-a:0", kind=schemas.Task,

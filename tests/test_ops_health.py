@@ -8,12 +8,13 @@ import threading
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry
+from waiting import wait_for
+
 from squall.ops.health import start_health_server
 from squall.ops.metrics import QueueCollector, standard_metrics
 from squall.shared import bus, schemas
 from squall.shared.keys import GROUP_RUNNERS, Keys
 from squall.shared.ledger import Ledger
-from waiting import wait_for
 
 
 @pytest.fixture
@@ -126,10 +127,11 @@ def test_trainer_subprocess_serves_health_ready_and_metrics(tmp_path, r, redis_u
     import signal
 
     import torch
-    from squall.shared.keys import GROUP_TRAINER
     from test_trainer_e2e import publish_dataset, start_trainer, trained_log, write_config
     from test_trainer_step import make_tiny_model
     from transformers import AutoModelForCausalLM
+
+    from squall.shared.keys import GROUP_TRAINER
 
     torch.set_num_threads(1)
     model_path = make_tiny_model(tmp_path / "model")

@@ -19,11 +19,12 @@ from pathlib import Path
 import httpx
 import pytest
 from runner_helpers import Procs, events, log_of, write_jsonl
+from waiting import wait_for
+
 from squall.inference.tiny import build_tiny_model
 from squall.shared.keys import Keys
 from squall.shared.ledger import Ledger
 from squall.shared.localredis import free_port
-from waiting import wait_for
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 

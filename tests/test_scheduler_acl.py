@@ -10,6 +10,7 @@ import time
 import pytest
 import redis
 from runner_helpers import Procs, log_of, write_jsonl
+
 from squall.shared.keys import Keys
 from squall.shared.ledger import Ledger
 from squall.shared.localredis import find_server_binary, free_port

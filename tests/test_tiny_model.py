@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+
 from squall.inference.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, build_tiny_model, build_tokenizer
 
 TOOLS = [

@@ -28,6 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     import uvicorn
+
     from squall.shared.keys import Keys
     from squall.shared.logs import configure_logging
     from squall.shared.redisconn import connect, redact

@@ -17,6 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     import orjson
+
     from squall.shared import schemas
     from squall.shared.cliargs import config_from_args
     from squall.shared.errors import SchemaError
