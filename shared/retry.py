@@ -60,20 +60,23 @@ class RedisOutage:
             self.log.info("redis_back", where=where, down_s=round(time.monotonic() - self.started, 3),
                           retries=self.retries, outages=self.outages)  # fmt: skip
 
+    def _ping_failed(self, end: float, pause: float, last: BaseException | None) -> float:
+        """Count a ping that found Redis down; the next pause, or RedisUnavailable past `end`."""
+        self.retries += 1
+        if time.monotonic() >= end:
+            raise self._give_up(last)
+        return min(pause, max(0.0, end - time.monotonic()))
+
     def wait(self, r: redis.Redis, error: BaseException, where: str = "") -> None:
         """Block until `r` answers PING; raise RedisUnavailable past the deadline."""
         end, pause, last = self._begin(error, where), FIRST_PAUSE_S, error
         while True:
             try:
                 if r.ping():
-                    self._back(where)
-                    return
+                    return self._back(where)
             except REDIS_ERRORS as exc:
                 last = exc
-            self.retries += 1
-            if time.monotonic() >= end:
-                raise self._give_up(last)
-            time.sleep(min(pause, max(0.0, end - time.monotonic())))
+            time.sleep(self._ping_failed(end, pause, last))
             pause = min(pause * 2, MAX_PAUSE_S)
 
     async def wait_async(self, r: Any, error: BaseException, where: str = "") -> None:
@@ -82,12 +85,8 @@ class RedisOutage:
         while True:
             try:
                 if await r.ping():
-                    self._back(where)
-                    return
+                    return self._back(where)
             except REDIS_ERRORS as exc:
                 last = exc
-            self.retries += 1
-            if time.monotonic() >= end:
-                raise self._give_up(last)
-            await asyncio.sleep(min(pause, max(0.0, end - time.monotonic())))
+            await asyncio.sleep(self._ping_failed(end, pause, last))
             pause = min(pause * 2, MAX_PAUSE_S)
