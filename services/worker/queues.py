@@ -45,6 +45,8 @@ def tell_rq_the_server_version(r: Any) -> Any:
     reply = r.execute_command("HELLO")
     fields = dict(zip(reply[::2], reply[1::2], strict=False)) if isinstance(reply, list) else dict(reply)
     version = fields.get(b"version", fields.get("version", b"0"))
-    parts = [int(p) for p in (version.decode() if isinstance(version, bytes) else str(version)).split(".")[:3]]
+    parts = [
+        int(p) for p in (version.decode() if isinstance(version, bytes) else str(version)).split(".")[:3]
+    ]
     setattr(r, "__rq_redis_server_version", tuple((parts + [0, 0, 0])[:3]))
     return r

@@ -52,7 +52,9 @@ def pool_summary(r: Any, run: str, tools: tuple[str, ...] = TOOLS) -> dict[str, 
         names = [q.name for q in w.queues]
         if not any(n in by_queue for n in names):
             continue
-        running = sorted(m.decode().split(":")[0] for m in r.smembers(w.executions_key))  # job_id:execution_id
+        running = sorted(
+            m.decode().split(":")[0] for m in r.smembers(w.executions_key)
+        )  # job_id:execution_id
         workers.append({"name": w.name, "state": str(w.get_state()), "pid": w.pid, "host": w.hostname,
                         "queues": [by_queue.get(n, n) for n in names], "current_job": running[0] if running else None,
                         "successful": w.successful_job_count, "failed": w.failed_job_count})  # fmt: skip
