@@ -301,7 +301,9 @@ def _classify(code: int, killed_for: str, stderr: str, cpu: float, limits: Limit
         return "wall_time", f"killed: ran longer than the wall-clock limit of {limits.wall_s:g} s"
     if killed_for == "output_limit":
         return "output_limit", f"killed: printed more than the output limit of {limits.output_bytes} bytes"
-    if code in (-signal.SIGXCPU, -signal.SIGKILL) and cpu >= limits.cpu_s - 0.05:
+    # SIGXCPU comes only from RLIMIT_CPU (rusage may read a tick under the limit); the hard
+    # limit's SIGKILL a second later is told apart from others by the CPU time used.
+    if code == -signal.SIGXCPU or (code == -signal.SIGKILL and cpu >= limits.cpu_s - 0.5):
         return "cpu_time", f"killed: used more than the CPU-time limit of {limits.cpu_s} s"
     last = stderr.strip().splitlines()[-1] if stderr.strip() else ""
     if "BlockingIOError" in last and "Resource temporarily unavailable" in last:
