@@ -265,3 +265,16 @@ def test_pool_summary_and_rq_info(pool, redis_url):
     info = subprocess.run([os.path.join(os.path.dirname(sys.executable), "rq"), "info", "--url", redis_url],
                           capture_output=True, text=True, timeout=30)  # fmt: skip
     assert info.returncode == 0 and queue_name(RUN, "code") in info.stdout
+
+
+def test_status_and_dashboard_show_the_pool(pool):
+    from squall.monitor.state import snapshot
+    from squall.scheduler.status import collect, render
+    from squall.shared.keys import Keys
+
+    status = collect(pool["r"], RUN)
+    assert status["tools"]["queues"]["code"]["workers"] >= 1
+    assert "tool pool:" in render(status) and "code" in render(status)
+    page = snapshot(pool["r"], Keys(RUN))
+    assert page["tools"]["queues"].keys() == status["tools"]["queues"].keys()
+    assert page["tools"]["queues"]["code"]["finished"] >= 1

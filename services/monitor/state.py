@@ -91,5 +91,7 @@ def render(snap: runstate.RunSnapshot) -> dict[str, Any]:
 
 
 def snapshot(r: redis.Redis, keys: Keys) -> dict[str, Any]:
-    """Read the run and render it for the page."""
-    return render(runstate.read_snapshot(r, keys))
+    """Read the run (and its tool pool) and render it for the page."""
+    from squall.worker.status import pool_summary
+
+    return {**render(runstate.read_snapshot(r, keys)), "tools": pool_summary(r, keys.run)}

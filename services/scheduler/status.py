@@ -53,6 +53,7 @@ def collect(r: Any, run: str, rewards: int = 10) -> dict[str, Any]:
     """Everything `squall status` shows, as plain data (shared.runstate's snapshot, rendered)."""
     from squall.shared.keys import Keys
     from squall.shared.runstate import read_snapshot
+    from squall.worker.status import pool_summary
 
     snap = read_snapshot(r, Keys(run), rewards=max(rewards, 0), metrics=0)
     return {
@@ -70,6 +71,7 @@ def collect(r: Any, run: str, rewards: int = 10) -> dict[str, Any]:
         "scheduler": snap.scheduler,
         "rewards": _rewards(snap, rewards),
         "skipped": snap.skipped,
+        "tools": pool_summary(r, run),
     }
 
 
@@ -102,6 +104,11 @@ def render(status: dict[str, Any]) -> str:
     lines.append("rewards    " + ("(none yet)" if not status["rewards"] else ""))
     for p in status["rewards"]:
         lines.append(f"  v{p['version']:<5} {p['mode']:<5} mean={p['mean']:.4f}  n={p['count']}")
+    tools = status.get("tools")
+    if tools and (tools["workers"] or any(sum(q.values()) for q in tools["queues"].values())):
+        from squall.worker.status import format_summary
+
+        lines.append(format_summary(tools))
     return "\n".join(lines)
 
 
