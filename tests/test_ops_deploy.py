@@ -71,9 +71,17 @@ def _seconds(text: str) -> float:
 @pytest.fixture(scope="module")
 def unit_root(tmp_path_factory):
     """A root with this machine's unit files, ours in /etc/systemd/system, binaries stubbed."""
-    need("systemd", shutil.which("systemd-analyze") is not None, "systemd-analyze is missing (apt-get install systemd)")
+    need(
+        "systemd",
+        shutil.which("systemd-analyze") is not None,
+        "systemd-analyze is missing (apt-get install systemd)",
+    )
     system_units = next((d for d in SYSTEM_UNIT_DIRS if (d / "sysinit.target").exists()), None)
-    need("systemd", system_units is not None, "no system unit files to verify against (apt-get install systemd)")
+    need(
+        "systemd",
+        system_units is not None,
+        "no system unit files to verify against (apt-get install systemd)",
+    )
     root = tmp_path_factory.mktemp("root")
     shutil.copytree(system_units, root / "usr/lib/systemd/system", symlinks=True)
     (root / "etc/systemd/system").mkdir(parents=True)
@@ -153,7 +161,11 @@ def _compose() -> dict:
 
 
 def test_compose_file_matches_the_compose_spec_schema(tmp_path):
-    need("deploy", installed("check_jsonschema"), "pip install check-jsonschema (vendors the compose-spec schema)")
+    need(
+        "deploy",
+        installed("check_jsonschema"),
+        "pip install check-jsonschema (vendors the compose-spec schema)",
+    )
     checker = shutil.which("check-jsonschema") or str(
         Path(__import__("sys").executable).parent / "check-jsonschema"
     )

@@ -93,7 +93,11 @@ def publish_dataset(r, keys: Keys, model) -> tuple[set[str], set[str]]:
 @pytest.mark.parametrize("backend", ["torch", pytest.param("verl", marks=pytest.mark.verl)])
 def test_kill9_resume_trains_every_key_exactly_once(tmp_path, r, redis_url, run_name, backend):
     if backend == "verl":
-        need("verl", installed("verl"), "verl is not installed here (make test-verl runs these tests in .venv-verl)")
+        need(
+            "verl",
+            installed("verl"),
+            "verl is not installed here (make test-verl runs these tests in .venv-verl)",
+        )
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM
 
