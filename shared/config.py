@@ -268,6 +268,29 @@ class WorkerSection(Section):
     """SQL: rows returned at most (the rest is cut and marked)."""
 
 
+class TrackingSection(Section):
+    """Experiment tracking (`squall track`, services/tracking): trainer metrics, rewards, ledger
+    counts and rollout samples, copied from the run's streams to the listed backends."""
+
+    backends: list[Literal["wandb", "tensorboard", "mlflow"]] = []
+    """Where to log; empty: no tracking (`squall up` starts no `squall track`)."""
+    dir: str = ""
+    """Folder of the tracker's cursor, TensorBoard event files, W&B files and the default MLflow
+    store (empty: {run.dir}/tracking)."""
+    project: str = Field("squall", min_length=1)
+    """W&B project and MLflow experiment name; the tracked run is named after run.name."""
+    wandb_mode: Literal["online", "offline"] = "online"
+    """online: W&B streams to its server (needs WANDB_API_KEY); offline: files only, for `wandb sync`."""
+    wandb_entity: str = ""
+    """W&B entity (team or user; empty: the API key's default)."""
+    mlflow_uri: str = ""
+    """MLflow tracking URI (http://..., sqlite:///..., a folder); empty: a file store in `dir`/mlruns."""
+    samples_per_version: int = Field(4, ge=0, le=1000)
+    """Rollout samples (trajectories decoded to text) logged per policy version (0: none)."""
+    poll_s: float = Field(2.0, gt=0, le=300)
+    """How often the tracker reads the streams."""
+
+
 class RunConfig(Section):
     """The whole run file."""
 
@@ -278,6 +301,7 @@ class RunConfig(Section):
     trainer: TrainerSection = TrainerSection()
     inference: InferenceSection = InferenceSection()
     worker: WorkerSection = WorkerSection()
+    tracking: TrackingSection = TrackingSection()
 
     def to_json(self) -> str:
         return self.model_dump_json()
