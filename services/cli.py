@@ -18,6 +18,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "squall.tools.up",
         "start a whole run on this machine (redis, inference, trainer, scheduler, runners)",
     ),
+    "init": (
+        "squall.tools.init",
+        "write a run folder (run.toml with every field documented, agent.py, a tiny dataset)",
+    ),
     "scheduler": (
         "squall.scheduler.cli",
         "run the scheduler: dataset -> GRPO groups -> tasks, retries, ledger",

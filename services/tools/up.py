@@ -65,11 +65,12 @@ class Up:
         self.stop = threading.Event()
         self.started = time.monotonic()
         self.reason = ""
+        self.summary: dict[str, Any] | None = None  # what _report wrote to summary.json
 
     # --- lifecycle ----------------------------------------------------------------------
     def run(self) -> int:
-        signal.signal(signal.SIGINT, self._on_signal)
-        signal.signal(signal.SIGTERM, self._on_signal)
+        # Restored on return: squall.up() runs inside a caller (a notebook) whose Ctrl-C is its own.
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         code = 1
         try:
             self._prepare()
@@ -81,6 +82,8 @@ class Up:
         finally:
             self._shutdown()
             self._report()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
         return code
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
@@ -253,6 +256,7 @@ class Up:
             "versions": s["versions"],
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        self.summary = summary
         png = plot_curve(s, self.run_dir / "learning_curve.png")
         fmt = lambda x: "nan" if x is None else f"{x:.3f}"  # noqa: E731
         print(
