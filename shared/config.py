@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import ConfigError
 from .keys import RUN_NAME_PATTERN
@@ -116,7 +116,18 @@ class RunnerSection(Section):
     frozen_models: dict[str, str] = {}
     """Model name -> base URL of models recorded but never trained (judges, opponents)."""
     train_agents: list[str] = []
-    """Named agents whose calls train (empty: all agents)."""
+    """Named agents whose calls train (empty: all agents). With `seats` set, each must be a seat."""
+    seats: list[str] = []
+    """The named agents of a multi-agent task (its seats). Empty: any agent name is accepted;
+    set: a call from another name is refused (a typo fails loudly), and seats can be given
+    to the opponent (`opponent_model`, `opponent_fraction`)."""
+    opponent_model: str = ""
+    """A `frozen_models` name that plays the opponent seats (a frozen model, or a snapshot node
+    of the policy); empty: no seat is handed to an opponent."""
+    opponent_fraction: float = Field(0.0, ge=0.0, le=1.0)
+    """Share of `seats` played by `opponent_model` in each attempt (rounded to whole seats).
+    Which seats is a seeded draw per GRPO group, so every member of a group faces the same
+    line-up; calls from those seats go to the opponent and are recorded untrained."""
     lease_s: float = Field(30.0, gt=0)
     """Lease on a task; renewed while the agent runs, reclaimed by others once it lapses."""
     grace_s: float = Field(30.0, ge=0)
@@ -138,6 +149,25 @@ class RunnerSection(Section):
     """Interval of the runner's heartbeat in Keys.heartbeats."""
     upstream_timeout_s: float = Field(300.0, gt=0)
     """Deadline of one forwarded inference call (the attempt's own deadline still applies)."""
+
+    @model_validator(mode="after")
+    def _check_seats(self) -> RunnerSection:
+        if self.seats and len(set(self.seats)) != len(self.seats):
+            raise ValueError(f"runner.seats lists a name twice: {self.seats}")
+        unknown = [a for a in self.train_agents if self.seats and a not in self.seats]
+        if unknown:
+            raise ValueError(
+                f"runner.train_agents names {unknown}, which are not in runner.seats {self.seats}; "
+                "fix the name or add the seat"
+            )
+        if self.opponent_model and self.opponent_model not in self.frozen_models:
+            raise ValueError(
+                f"runner.opponent_model {self.opponent_model!r} is not a key of runner.frozen_models "
+                f"(known: {sorted(self.frozen_models) or 'none'}); add its endpoint there"
+            )
+        if self.opponent_fraction > 0 and not (self.opponent_model and self.seats):
+            raise ValueError("runner.opponent_fraction > 0 needs runner.opponent_model and runner.seats")
+        return self
 
 
 class TrainerSection(Section):
@@ -179,6 +209,13 @@ class TrainerSection(Section):
     """Weight versions kept on disk beyond those some node still serves."""
     max_seq_len: int = Field(8192, ge=16)
     """Trajectories whose merged sequence is longer are filtered as overlong (unless overlong=keep)."""
+    max_turn_tokens: int = Field(0, ge=0)
+    """A trained turn whose prompt + response is longer than this is not trained (its tokens
+    stay as context of later turns, with loss mask 0); 0: no cap. Counted as capped:turn_tokens."""
+    max_turns_per_trajectory: int = Field(0, ge=0)
+    """At most this many trained turns per trajectory, chosen by a sampling seeded with the run
+    seed and the attempt key (the same on every replay); the rest are not trained; 0: no cap.
+    Counted as capped:turns. A trajectory left with no trained turn is filtered:no_turns_in_cap."""
     consumer: str = Field("trainer", min_length=1)
     """Stable consumer name on `trajectories`: a restart re-reads its own unacked entries."""
     metrics_host: str = "127.0.0.1"
@@ -214,6 +251,24 @@ class InferenceSection(Section):
     """Name the model is served under (empty: model.name)."""
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
     """vllm backend: share of GPU memory vLLM may take."""
+    pin_version: int = Field(-1, ge=-1)
+    """Serve exactly this published weight version and never load another (a policy snapshot,
+    e.g. an opponent for self-play); -1: follow the newest. The node refuses to start when the
+    version was never published or its file is gone."""
+    behind_versions: int = Field(0, ge=0)
+    """Serve the version this many behind the newest published one (0: the newest), moving on
+    as the trainer publishes: an opponent that trails the policy. Not with pin_version."""
+    reasoning_parser: Literal["think", "none"] = "think"
+    """think: text between <think> and </think> in a chat reply goes to `reasoning_content`
+    and out of `content` (the token ids stay exactly the sampled ones); none: all in content."""
+
+    @model_validator(mode="after")
+    def _check_snapshot(self) -> InferenceSection:
+        if self.pin_version >= 0 and self.behind_versions:
+            raise ValueError(
+                "inference.pin_version and inference.behind_versions exclude each other; set one"
+            )
+        return self
 
 
 class WorkerSection(Section):

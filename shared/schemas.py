@@ -104,7 +104,7 @@ class Turn(msgspec.Struct, kw_only=True):
     prompt_ids: bytes  # packed int32: the prompt as the server tokenized it
     response_ids: bytes  # packed int32: sampled tokens, never re-tokenized
     response_logprobs: bytes  # packed float32: logprob of each response token, same length
-    version: int  # weight version that served this call (-1 for frozen/external models)
+    version: int  # weight version that served this call (-1 when a frozen/external endpoint reports none)
     finish_reason: str = "stop"  # stop | length | tool_calls | error
     node: str = ""  # inference node that served it
     latency_s: float = 0.0  # wall time of the call as the gateway saw it

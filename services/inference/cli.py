@@ -33,6 +33,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-follow", action="store_true", help="do not follow the weights stream (no Redis)"
     )
+    parser.add_argument(
+        "--pin-version", type=int, metavar="K",
+        help="serve exactly published weight version K and never another (a policy snapshot, "
+        "e.g. a self-play opponent)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--behind", type=int, metavar="N", help="serve the version N behind the newest published one"
+    )
     add_common_arguments(parser)
 
 
@@ -48,6 +56,8 @@ def main(args: argparse.Namespace) -> int:
         "model_name": args.served_name,
         "device": args.device,
         "follow_weights": False if args.no_follow else None,
+        "pin_version": args.pin_version,
+        "behind_versions": args.behind,
     }
     config = config_from_args(args, inference=inference, model={"path": args.model})
     section = config.inference

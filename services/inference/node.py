@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import signal
 import socket
+import sys
 import threading
 
 import structlog
@@ -66,7 +67,7 @@ class InferenceNode:
     async def serve(self) -> None:
         import uvicorn
 
-        from .reload import WeightFollower
+        from .reload import Snapshot, WeightFollower
         from .server import create_app
 
         section = self.config.inference
@@ -87,6 +88,7 @@ class InferenceNode:
                 self.follower = WeightFollower(
                     redis_client, Keys(run.name), engine, node=self.node, metrics=self.metrics,
                     outage=outage, metrics_port=section.port,
+                    snapshot=Snapshot(section.pin_version, section.behind_versions),
                 )  # fmt: skip
                 await self.follower.catch_up()
                 follow_task = asyncio.create_task(self.follower.run(), name="weight-follower")
@@ -185,4 +187,8 @@ def run(config: RunConfig, model_dir: str | None = None) -> int:
     except RedisUnavailable as exc:  # no Redis at start-up
         log.error("inference_exit", error=str(exc))
         return 1
+    except ConfigError as exc:  # e.g. a pinned snapshot version that cannot be served
+        log.error("inference_refused", error=str(exc))
+        print(f"squall inference: {exc}", file=sys.stderr)
+        return 2
     return 0 if node.failure is None else 1

@@ -11,6 +11,15 @@ node keeps serving the version it had. On success it XADDs WeightApplied to
 serving and its reads and acknowledgements wait for Redis (shared.retry's one policy: logged,
 counted in `squall_inference_redis_errors_total`); past `run.redis_outage_s` the follower
 raises RedisUnavailable and the node stops.
+
+A snapshot node (`inference.pin_version` K, or `inference.behind_versions` N) serves an older
+policy, e.g. an opponent for self-play, without a second model file: it remembers every
+version the stream announced (`Snapshot.choose` picks K, or the newest minus N) and loads only
+that one. A pinned node acknowledges in `versions` as `snapshot:<node>`, which keeps version
+K's file from being pruned without holding back the pruning of newer ones; a trailing node
+acknowledges as `inference:<node>` like any follower, so the versions it will move to next stay
+on disk. A pin on a version never published, or whose file is gone, stops the node at start
+with an error naming `inference.pin_version`.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ from typing import Any
 import structlog
 
 from squall.shared import schemas
-from squall.shared.errors import SchemaError, WeightsError
+from squall.shared.errors import ConfigError, SchemaError, WeightsError
 from squall.shared.heartbeat import HeartbeatWriter
 from squall.shared.keys import WEIGHTS_APPLIED_MAXLEN, Keys
 from squall.shared.retry import REDIS_ERRORS, RedisOutage
@@ -35,6 +44,33 @@ from .metrics import InferenceMetrics
 BLOCK_MS = 2000  # longest XREAD wait; also the heartbeat interval
 
 log = structlog.get_logger()
+
+
+class Snapshot:
+    """Which published version a node serves: the newest (default), exactly `pin`, or the
+    newest minus `behind`. Pure: `choose` looks only at the versions it is given."""
+
+    def __init__(self, pin: int = -1, behind: int = 0) -> None:
+        self.pin, self.behind = pin, behind
+
+    @property
+    def pinned(self) -> bool:
+        return self.pin >= 0
+
+    @property
+    def following(self) -> bool:
+        """A plain follower: the newest version, acknowledged as `inference:<node>`."""
+        return not self.pinned and not self.behind
+
+    def target(self, published: list[int]) -> int | None:
+        """The version to serve given the published ones (None: nothing to load)."""
+        if not published:
+            return None
+        if self.pinned:
+            return self.pin if self.pin in published else None
+        wanted = max(published) - self.behind
+        older = [v for v in published if v <= wanted]
+        return max(older) if older else None  # None: keep the model the node started with
 
 
 class WeightFollower:
@@ -50,23 +86,73 @@ class WeightFollower:
         metrics: InferenceMetrics,
         outage: RedisOutage,
         metrics_port: int = 0,
+        snapshot: Snapshot | None = None,
     ) -> None:
         self.r, self.keys, self.engine = r, keys, engine  # r: a redis.asyncio client
         self.node, self.metrics, self.outage, self.metrics_port = node, metrics, outage, metrics_port
+        self.snapshot = snapshot or Snapshot()
         self.beats = HeartbeatWriter(r, keys, "inference", node, every_s=BLOCK_MS / 1000)
         self.last_id = "0-0"  # the stream entry read last
+        self.published: dict[int, schemas.WeightVersion] = {}  # snapshot nodes: version -> announcement
         self._stopping = False
 
     async def catch_up(self) -> None:
-        """Load the newest published version, if any; later reads start after it."""
-        newest = await self.r.xrevrange(self.keys.weights, count=1)
-        if newest:
-            entry_id, fields = newest[0]
+        """Load the newest published version (a snapshot node: its version), if any; later
+        reads start after the last entry. A pin that cannot be served raises ConfigError."""
+        if self.snapshot.following:
+            newest = await self.r.xrevrange(self.keys.weights, count=1)
+            if newest:
+                entry_id, fields = newest[0]
+                self.last_id = _text(entry_id)
+                message = self._decode(self.last_id, fields)
+                if message is not None:
+                    await self.apply(message)
+        else:
+            self._remember(await self.r.xrange(self.keys.weights))
+            await self._serve_snapshot(at_start=True)
+        await self.heartbeat()
+
+    def _remember(self, entries: list) -> schemas.WeightVersion | None:
+        """Note the announced versions (snapshot nodes) and move last_id; returns the newest."""
+        newest = None
+        for entry_id, fields in entries:
             self.last_id = _text(entry_id)
             message = self._decode(self.last_id, fields)
-            if message is not None:
-                await self.apply(message)
-        await self.heartbeat()
+            if message is None:
+                continue
+            if not self.snapshot.following:
+                self.published[message.version] = message
+            if newest is None or message.version > newest.version:
+                newest = message
+        return newest
+
+    async def _serve_snapshot(self, *, at_start: bool = False) -> None:
+        target = self.snapshot.target(sorted(self.published))
+        pin = self.snapshot.pin
+        if target is None and self.snapshot.pinned and not (pin == 0 and self.engine.weight_version == 0):
+            if at_start:
+                known = sorted(self.published)
+                shown = f"{known[0]}..{known[-1]}" if known else "none yet"
+                raise ConfigError(
+                    f"inference.pin_version: version {pin} was never published on {self.keys.weights} "
+                    f"(published: {shown}); pin a published version, or trail the newest with "
+                    "inference.behind_versions"
+                )
+            return
+        if target is None:
+            if at_start:  # the initial model (version 0) is what a snapshot serves before any version
+                await self._acknowledge(schemas.WeightApplied(
+                    run=self.keys.run, node=self.node, version=self.engine.weight_version, load_s=0.0))  # fmt: skip
+            return
+        if target == self.engine.weight_version and not at_start:
+            return
+        applied = await self.apply(self.published[target])
+        if at_start and self.snapshot.pinned and not applied and self.engine.weight_version != pin:
+            raise ConfigError(
+                f"inference.pin_version: version {pin} cannot be loaded (file "
+                f"{self.published[pin].location} missing or corrupt; see the weights_rejected log "
+                "line); pin a version still on disk"
+            )
 
     async def run(self) -> None:
         """Follow until stopped; RedisUnavailable when Redis stays away past the outage deadline."""
@@ -81,13 +167,10 @@ class WeightFollower:
         await self.heartbeat()
         if not reply:
             return
-        newest = None
-        for entry_id, fields in reply[0][1]:
-            self.last_id = _text(entry_id)
-            message = self._decode(self.last_id, fields)
-            if message is not None and (newest is None or message.version > newest.version):
-                newest = message
-        if newest is not None:
+        newest = self._remember(reply[0][1])
+        if not self.snapshot.following:
+            await self._serve_snapshot()
+        elif newest is not None:
             await self.apply(newest)
 
     def stop(self) -> None:
@@ -156,7 +239,8 @@ class WeightFollower:
                     self.keys.weights_applied, {schemas.ENTRY_FIELD: schemas.encode(applied)},
                     maxlen=WEIGHTS_APPLIED_MAXLEN, approximate=True,
                 )  # fmt: skip
-                pipe.hset(self.keys.versions, f"inference:{self.node}", applied.version)
+                role = "snapshot" if self.snapshot.pinned else "inference"
+                pipe.hset(self.keys.versions, f"{role}:{self.node}", applied.version)
                 await pipe.execute()
                 return
             except REDIS_ERRORS as exc:

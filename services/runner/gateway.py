@@ -12,13 +12,22 @@ agent, ``/a/{token}/agent/{name}/v1``), so every call is attributed to its rollo
 4. returns to the agent as an ordinary OpenAI response: squall's extra fields are removed
    (logprobs too, unless the agent asked for them).
 Upstream failures (connection errors, 5xx, 429) are retried with backoff, on another node
-when there is one; then the agent gets a 502 whose message says what failed.
+when there is one; then the agent gets a 502 whose message says what failed (and, for a
+frozen model, which `frozen_models` endpoint is down).
+
+Seats (multi-agent tasks): with `runner.seats` set, only those agent names are served. With
+`opponent_fraction` > 0, each attempt hands that share of the seats to `opponent_model`
+(`opponent_seats`, a draw seeded by the GRPO group, so a group's members face the same
+line-up): whatever model such a seat asks for, its calls go to the opponent's endpoint and are
+recorded with the opponent's name and `trained=False`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import random
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -50,6 +59,22 @@ class Attempt:
     error: str | None = None  # a contract break seen by the gateway (fails the attempt)
     llm_s: float = 0.0  # seconds spent waiting for inference
     min_version: int = 0  # the task's min_version: nodes known to serve older weights come last
+    seat_models: dict[str, str] = field(default_factory=dict)  # seat -> opponent model playing it
+
+
+def group_of(key: str) -> str:
+    """The GRPO group of an attempt key ``{group_id}:{index}#{attempt}``."""
+    task_id = key.rpartition("#")[0] or key
+    return task_id.rpartition(":")[0] or task_id
+
+
+def opponent_seats(seats: list[str], fraction: float, group_id: str) -> list[str]:
+    """The seats the opponent plays in this group's attempts: round(fraction x seats) of them,
+    drawn with a seed derived from the group id alone (every member, retry and runner agrees)."""
+    count = int(fraction * len(seats) + 0.5)
+    seed = int.from_bytes(hashlib.blake2b(group_id.encode(), digest_size=8).digest(), "little")
+    chosen = set(random.Random(seed).sample(seats, count))
+    return [seat for seat in seats if seat in chosen]
 
 
 class UpstreamError(Exception):
@@ -100,6 +125,10 @@ class Gateway:
     # --- attempts ------------------------------------------------------------------------
     def open(self, key: str, min_version: int = 0) -> Attempt:
         attempt = Attempt(token=secrets.token_hex(12), key=key, min_version=min_version)
+        section = self.section
+        if section.opponent_fraction > 0:
+            seats = opponent_seats(section.seats, section.opponent_fraction, group_of(key))
+            attempt.seat_models = dict.fromkeys(seats, section.opponent_model)
         self.attempts[attempt.token] = attempt
         return attempt
 
@@ -197,8 +226,16 @@ class Gateway:
             return _error(400, f"request body is not JSON: {exc}")
         if not isinstance(body, dict):
             return _error(400, "request body must be a JSON object")
+        if self.section.seats and agent != "main" and agent not in self.section.seats:
+            return _error(
+                404, f"agent {agent!r} is not one of runner.seats {self.section.seats}; "
+                "use one of those names in the agent URL, or add the seat",
+            )  # fmt: skip
         asked_model = str(body.get("model") or self.policy_model)
-        frozen_url = self.frozen.get(asked_model)
+        model = attempt.seat_models.get(agent, asked_model)  # an opponent seat plays the opponent
+        frozen_url = self.frozen.get(model)
+        if frozen_url is not None:
+            body["model"] = model
         wants_stream = bool(body.pop("stream", False))
         include_usage = bool((body.pop("stream_options", None) or {}).get("include_usage"))
         wants_logprobs = body.get("logprobs")
@@ -208,7 +245,7 @@ class Gateway:
             body["logprobs"] = True
         started = time.perf_counter()
         try:
-            status, reply, node = await self._post(attempt, route, body, frozen_url)
+            status, reply, node = await self._post(attempt, route, body, frozen_url, model)
         except UpstreamError as exc:
             attempt.llm_s += time.perf_counter() - started
             self.log.warning("upstream_failed", attempt=attempt.key, error=str(exc))
@@ -218,7 +255,7 @@ class Gateway:
         if status != 200:
             return Response(orjson.dumps(reply), status_code=status, media_type="application/json")
         try:
-            self._record(attempt, reply, agent, asked_model, node, latency, trained_model=frozen_url is None)
+            self._record(attempt, reply, agent, model, node, latency, trained_model=frozen_url is None)
         except (KeyError, TypeError, ValueError) as exc:
             attempt.error = f"inference reply from {node} broke the token-id contract: {exc}"
             return _error(502, attempt.error, kind="upstream_contract")
@@ -230,7 +267,7 @@ class Gateway:
         return Response(orjson.dumps(reply), media_type="application/json")
 
     async def _post(
-        self, attempt: Attempt, route: str, body: dict, frozen_url: str | None
+        self, attempt: Attempt, route: str, body: dict, frozen_url: str | None, model: str
     ) -> tuple[int, dict, str]:
         """POST with retries; returns (status, json, node url). Raises UpstreamError."""
         payload = orjson.dumps(body)
@@ -272,9 +309,14 @@ class Gateway:
             if frozen_url is None and isinstance(reply, dict) and "weight_version" in reply:
                 self.pool.versions[base] = int(reply["weight_version"])
             return response.status_code, reply, base
+        where = (
+            f"the endpoint of frozen model {model!r} in runner.frozen_models ({frozen_url}) is up"
+            if frozen_url is not None
+            else "the inference nodes in runner.inference_urls are up"
+        )
         raise UpstreamError(
             f"inference failed {len(errors)} time(s) for route /v1/{route}: {'; '.join(errors[-3:])}"
-            " — check that the inference nodes in runner.inference_urls are up"
+            f" — check that {where}"
         )
 
     def _record(
@@ -302,7 +344,7 @@ class Gateway:
             if ids is not None and logprobs is not None and len(ids) != len(logprobs):
                 raise ValueError(f"{len(ids)} token ids but {len(logprobs)} logprobs")
             if ids is None or logprobs is None:  # a frozen endpoint without both: text only
-                ids, logprobs, version = None, None, -1
+                ids, logprobs = None, None  # the version stays when it said (a snapshot node)
             attempt.turns.append(
                 Turn(
                     agent=agent,

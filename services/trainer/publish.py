@@ -63,6 +63,11 @@ class Publisher:
         raw = self.r.hgetall(self.keys.versions)
         return {k.decode(): int(v) for k, v in raw.items() if k.decode().startswith("inference:")}
 
+    def pinned_versions(self) -> set[int]:
+        """Versions snapshot nodes are pinned to (`versions` fields `snapshot:<node>`)."""
+        raw = self.r.hgetall(self.keys.versions)
+        return {int(v) for k, v in raw.items() if k.decode().startswith("snapshot:")}
+
     def on_disk(self) -> list[int]:
         out = []
         for path in self.root.iterdir():
@@ -76,12 +81,15 @@ class Publisher:
         `keep_versions`; returns the versions removed."""
         nodes = self.node_versions()
         oldest_served = min(nodes.values()) if nodes else None
+        pinned = self.pinned_versions()
         versions = self.on_disk()
         removable = versions[: max(0, len(versions) - self.keep_versions)]
         removed = []
         for version in removable:
             if oldest_served is not None and version >= oldest_served:
                 break  # some node serves this one or has not acknowledged anything newer
+            if version in pinned:
+                continue  # a snapshot node (inference.pin_version) serves it, and only it
             shutil.rmtree(version_dir(self.root.parent, version), ignore_errors=True)
             removed.append(version)
         return removed
