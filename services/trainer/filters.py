@@ -6,7 +6,9 @@ Order, per group (members = every attempt the group received, one per member ind
 3. advantages over *all* ok members (the baseline uses every valid reward, including
    members filtered below: a stale or truncated attempt is still an unbiased sample of the
    group's reward)
-4. per ok member: no trained turn                   -> filtered:no_trained_turns
+4. per ok member: transition caps (caps.py) untrain turns; dropped turns are counted
+                  (capped:<cap>), and a member left with none -> filtered:no_turns_in_cap
+                  no trained turn                   -> filtered:no_trained_turns
                   trainer version - oldest turn version > max_staleness -> filtered:stale
                   a truncated turn (finish 'length') and overlong='drop' -> filtered:overlong
                   longer than max_seq_len tokens and overlong != 'keep'  -> filtered:overlong
@@ -15,12 +17,15 @@ With overlong='mask' truncated turns stay in the sequence with loss mask 0 (sequ
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from squall.shared.ledger import FilterReason
 from squall.shared.schemas import Trajectory
 
 from .advantages import get_advantage_fn
+from .caps import TurnCaps, apply_caps
 
 ZERO_VARIANCE_TOL = 1e-8
 
@@ -35,6 +40,7 @@ class GroupDecision:
     filtered: dict[str, list[Trajectory]] = field(default_factory=dict)  # reason -> members
     staleness: list[int] = field(default_factory=list)  # per ok member with a served turn
     rewards: list[float] = field(default_factory=list)  # every ok member's reward
+    capped: Counter = field(default_factory=Counter)  # turns untrained by the caps, by metric name
 
     def drop(self, reason: str, trajectory: Trajectory) -> None:
         self.filtered.setdefault(reason, []).append(trajectory)
@@ -67,6 +73,7 @@ def decide_group(
     overlong: str,
     max_seq_len: int,
     advantage: str = "grpo",
+    caps: TurnCaps | None = None,
 ) -> GroupDecision:
     decision = GroupDecision(group_id)
     ok = []
@@ -83,21 +90,25 @@ def decide_group(
         return decision
     advantages = get_advantage_fn(advantage)(rewards, [group_id] * len(ok))
     decision.advantages = {t.key: a for t, a in zip(ok, advantages, strict=True)}
-    for traj in ok:
+    for original in ok:
+        traj, dropped = apply_caps(original, caps or TurnCaps())
+        decision.capped.update(dropped)
         staleness = staleness_of(traj, trainer_version)
         if staleness is not None:
             decision.staleness.append(staleness)
-        if staleness is None:
-            decision.drop("no_trained_turns", traj)
+        if staleness is None and dropped:
+            decision.drop(FilterReason.NO_TURNS_IN_CAP.value, traj)
+        elif staleness is None:
+            decision.drop(FilterReason.NO_TRAINED_TURNS.value, traj)
         elif staleness > max_staleness:
-            decision.drop("stale", traj)
+            decision.drop(FilterReason.STALE.value, traj)
         elif (
             overlong == "drop"
             and is_truncated(traj)
             or overlong != "keep"
             and sequence_tokens(traj) > max_seq_len
         ):
-            decision.drop("overlong", traj)
+            decision.drop(FilterReason.OVERLONG.value, traj)
         else:
             decision.train.append(traj)
     return decision

@@ -6,6 +6,7 @@ Parts (one module each, wired here and nowhere else):
                             a step, next commit, durable); the reason -> ledger move mapping
 - groups.GroupAssembler     complete groups from the stream (deadline, late members)
 - filters.decide_group      failed / zero-variance / stale / overlong members, advantages
+- caps                      per-run transition caps (turn tokens, turns per trajectory)
 - advantages                GRPO, Dr.GRPO, RLOO (one scalar per trajectory)
 - sequences                 turns -> merged, masked samples; padding and micro-batches
 - backend (torch | verl)    the model, the loss (losses.py) and the optimizer
@@ -47,6 +48,7 @@ from squall.shared.retry import REDIS_ERRORS, RedisOutage
 
 from .backend import TrainerBackend, make_backend
 from .bookkeeping import Bookkeeping, Seen, ledger_moves
+from .caps import TurnCaps
 from .checkpoint import CheckpointStore, DoneDelta, TrainerState
 from .filters import GroupDecision, decide_group
 from .groups import CompleteGroup
@@ -212,11 +214,15 @@ class Trainer:
         self.log.warning("trajectory_dead_lettered", key=traj.key, reason=reason)
 
     def _decide(self, group: CompleteGroup) -> GroupDecision:
-        return decide_group(
+        caps = TurnCaps(self.cfg.max_turn_tokens, self.cfg.max_turns_per_trajectory, self.config.run.seed)
+        decision = decide_group(
             group.group_id, [m.trajectory for m in group.members],
             trainer_version=self.state.version, max_staleness=self.cfg.max_staleness,
             overlong=self.cfg.overlong, max_seq_len=self.cfg.max_seq_len, advantage=self.cfg.advantage,
+            caps=caps,
         )  # fmt: skip
+        self.books.pending.counts.update(decision.capped)  # capped:<cap> in the next commit's metrics
+        return decision
 
     # --- one step ------------------------------------------------------------
     def _step(self, decisions: list[GroupDecision]) -> None:
