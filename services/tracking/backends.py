@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from squall.shared.config import RunConfig
+from squall.shared.errors import ConfigError
 
 from .sources import SampleRow
 
@@ -68,11 +69,11 @@ def make_backend(name: str, config: RunConfig, folder: Path, state: dict[str, An
         from .mlflow_backend import MlflowBackend
 
         return MlflowBackend(config, folder, state)
-    raise ValueError(f"unknown tracking backend {name!r}: known are {', '.join(KNOWN)}")
+    raise ConfigError(f"unknown tracking backend {name!r}: known are {', '.join(KNOWN)}")
 
 
-def missing_library(backend: str, module: str) -> ImportError:
-    return ImportError(
+def missing_library(backend: str, module: str) -> ConfigError:
+    return ConfigError(
         f"tracking backend {backend!r} needs the {module!r} package: pip install 'squall[track]' "
         f"(or remove {backend!r} from tracking.backends)"
     )

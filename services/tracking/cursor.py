@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from squall.shared.errors import ConfigError
+
 CURSOR_FILE = "cursor.json"
 SAMPLED_VERSIONS_KEPT = 64  # per-version sample counts remembered (older versions get no new samples)
 
@@ -47,11 +49,11 @@ def load(folder: Path, run: str) -> Cursor:
         data = json.loads(path.read_text())
         cursor = Cursor(**data)
     except (ValueError, TypeError) as exc:
-        raise ValueError(
+        raise ConfigError(
             f"tracking cursor {path} is unreadable ({exc}); delete it to log the run again from its start"
         ) from None
     if cursor.run != run:
-        raise ValueError(
+        raise ConfigError(
             f"tracking cursor {path} belongs to run {cursor.run!r}, not {run!r}: "
             "give this run its own tracking.dir (or run.dir)"
         )

@@ -17,6 +17,7 @@ from typing import Any
 import redis
 
 from squall.shared import schemas
+from squall.shared.errors import ConfigError
 
 BATCH = 256  # entries per XRANGE
 MAX_ENTRIES_PER_POLL = 4096  # per stream: a poll stays short; the rest comes next poll
@@ -109,7 +110,7 @@ class TextDecoder:
     def __init__(self, model_dir: str) -> None:
         folder = Path(model_dir) if model_dir else None
         if folder is None or not folder.is_dir():
-            raise ValueError(
+            raise ConfigError(
                 f"model.path {model_dir!r} is not a folder: rollout samples need the run's tokenizer; "
                 "set model.path or tracking.samples_per_version = 0"
             )

@@ -26,6 +26,7 @@ import structlog
 
 from squall.shared import schemas
 from squall.shared.config import RunConfig
+from squall.shared.errors import ConfigError
 from squall.shared.keys import Keys
 from squall.shared.retry import REDIS_ERRORS, RedisOutage
 from squall.shared.runstate import read_ledger, read_versions
@@ -44,7 +45,7 @@ def tracking_dir(config: RunConfig) -> Path:
 class Tracker:
     def __init__(self, config: RunConfig, r: redis.Redis) -> None:
         if not config.tracking.backends:
-            raise ValueError("tracking.backends is empty: list at least one of wandb, tensorboard, mlflow")
+            raise ConfigError("tracking.backends is empty: list at least one of wandb, tensorboard, mlflow")
         self.config, self.r = config, r
         self.keys = Keys(config.run.name)
         self.folder = tracking_dir(config)
@@ -74,7 +75,7 @@ class Tracker:
         self._commit()
         for kind, n in counts.items():
             self.logged[kind] += n
-        return dict(counts)
+        return {kind: n for kind, n in counts.items() if n}
 
     def _log(self, scalars: sources.Scalars) -> None:
         if scalars.values:

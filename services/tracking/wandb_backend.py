@@ -7,6 +7,7 @@ tracking.wandb_mode = offline writes files only (`wandb sync` uploads them later
 
 from __future__ import annotations
 
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ class WandbBackend(Backend):
         except ImportError:
             raise missing_library("wandb", "wandb") from None
         self.wandb = wandb
-        state.setdefault("id", f"{config.run.name}-{wandb.util.generate_id()}")
+        state.setdefault("id", f"{config.run.name}-{secrets.token_hex(4)}")
         folder.mkdir(parents=True, exist_ok=True)
         track = config.tracking
         self.run = wandb.init(
