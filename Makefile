@@ -10,7 +10,7 @@ EXTRAS ?= ml,serve,data,dev,tools,track
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.squall-installed
 
-.PHONY: setup test test-fast test-verl test-vllm demo bench lint clean
+.PHONY: setup test test-fast test-verl test-vllm demo bench lint clean browser
 
 setup: $(STAMP)
 
@@ -21,10 +21,22 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
-# pytest exits 5 when it collected no test: that must fail loudly, never pass.
-test: setup
+# pytest exits 5 when it collected no test: that must fail loudly, never pass. The run ends with
+# an "optional suites" section naming every optional suite that skipped, and why (tests/optional.py).
+test: setup browser
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest ran no tests — failing" >&2; fi; exit $$rc
+
+# The browser test (dashboard in headless chromium) runs instead of skipping wherever chromium can be
+# had: Debian's package, installed when we are root and have apt-get; otherwise say so up front.
+browser:
+	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "make test: installing chromium (apt-get) for the browser test"; \
+	  apt-get update -qq >/dev/null 2>&1; \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium fonts-dejavu-core >/dev/null \
+	    || echo "make test: apt-get could not install chromium; the browser test will skip" >&2; \
+	else echo "make test: no chromium, and installing it needs root and apt-get; the browser test will skip" >&2; fi
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
