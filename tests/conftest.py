@@ -11,6 +11,7 @@ import uuid
 
 import pytest
 import redis
+from optional import pytest_terminal_summary  # noqa: F401  (the closing "optional suites" section)
 
 from squall.shared.localredis import LocalRedis
 

@@ -4,16 +4,24 @@ A suite named in SQUALL_REQUIRE_SUITES (comma-separated; `.ci/run` sets it for t
 installs) must run: a missing tool there fails the test instead of hiding it as a skip.
 A third-party package is looked up with `find_spec`, never imported here, so an import error
 inside our own code (or a broken install of the package) still fails loudly where it happens.
+
+A skip says which suite it belongs to (`optional suite 'browser': chromium is not installed`),
+and `pytest_terminal_summary` (registered by conftest.py) closes every run with the optional
+suites that were skipped, how many tests each, and why, so a skip is never silent.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
+from collections import defaultdict
+from typing import Any
 
 import pytest
 
 REQUIRE_ENV = "SQUALL_REQUIRE_SUITES"
+SKIP_PREFIX = re.compile(r"^(?:Skipped: )?optional suite '(?P<suite>[^']+)': (?P<why>.*)$", re.S)
 
 
 def required_suites() -> set[str]:
@@ -26,9 +34,39 @@ def need(suite: str, available: bool, missing: str) -> None:
         return
     if suite in required_suites():
         pytest.fail(f"the {suite} suite is required here ({REQUIRE_ENV}) but {missing}", pytrace=False)
-    pytest.skip(missing)
+    pytest.skip(f"optional suite {suite!r}: {missing}")
 
 
 def installed(module: str) -> bool:
     """Is the top-level package of `module` installed? (Does not import it.)"""
     return importlib.util.find_spec(module.split(".")[0]) is not None
+
+
+def skipped_suites(reports: list[Any]) -> dict[str, dict[str, int]]:
+    """suite -> reason -> tests skipped for it, from pytest's skip reports."""
+    found: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for report in reports:
+        longrepr = getattr(report, "longrepr", None)
+        message = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+        match = SKIP_PREFIX.match(message.strip())
+        if match:
+            found[match["suite"]][match["why"].strip()] += 1
+    return {suite: dict(reasons) for suite, reasons in found.items()}
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """A closing section: every optional suite that skipped, with its test count and reason."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    suites = skipped_suites(skipped)
+    write = terminalreporter.write_line
+    terminalreporter.section("optional suites")
+    if not suites:
+        write("no optional suite was skipped")
+    for suite, reasons in sorted(suites.items()):
+        for why, count in sorted(reasons.items()):
+            write(f"SKIPPED suite {suite!r} ({count} test{'s' if count != 1 else ''}): {why}")
+    others = len(skipped) - sum(sum(r.values()) for r in suites.values())
+    if others:
+        write(f"{others} other skipped test(s): their reasons are in the short test summary (-ra)")
+    if suites:
+        write(f"to make a suite required (a missing tool fails instead of skipping): {REQUIRE_ENV}=name,...")
