@@ -99,6 +99,7 @@ class InferenceNode:
                 node=self.node,
                 api_key=section.api_key,
                 metrics=self.metrics,
+                reasoning_parser=section.reasoning_parser,
             )
             config = uvicorn.Config(
                 app,

@@ -20,6 +20,7 @@ from .engine import Delta
 from .protocol import ApiError
 from .tools import parse_tool_calls
 
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 VERSION_HEADER = "x-squall-weight-version"
 LOGPROB_FLOOR = -1e4  # a logprob that underflowed to -inf is sent as this (JSON has no infinity)
 
@@ -55,6 +56,58 @@ class TokenTexts:
         return known
 
 
+class ReasoningSplit:
+    """Splits one choice's text, piece by piece, into reasoning and content, as vLLM's
+    reasoning parsers do: a reply that starts with <think> (after whitespace) is reasoning up
+    to </think> (all of it when never closed), the rest content; any other reply is content.
+    Text that may still turn into a tag is held back until it cannot, so streamed pieces add up
+    to exactly the whole reply's split. Only the text is split: token ids are never touched."""
+
+    def __init__(self) -> None:
+        self.held = ""
+        self.state = "start"  # start | reasoning | content
+        self.found = False  # the reply opened with <think>
+
+    def feed(self, piece: str, final: bool = False) -> tuple[str, str]:
+        """(reasoning, content) released by this piece; `final` releases everything held."""
+        self.held += piece
+        if self.state == "start":
+            head = self.held.lstrip()
+            if head.startswith(THINK_OPEN):
+                self.state, self.found, self.held = "reasoning", True, head[len(THINK_OPEN) :]
+            elif THINK_OPEN.startswith(head) and not final:
+                return "", ""  # whitespace or a partial "<thi": wait for more
+            else:
+                self.state = "content"
+        if self.state == "reasoning":
+            end = self.held.find(THINK_CLOSE)
+            if end < 0:
+                keep = 0 if final else _partial_tag(self.held, THINK_CLOSE)
+                reasoning, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
+                return reasoning, ""
+            reasoning, self.held = self.held[:end], self.held[end + len(THINK_CLOSE) :]
+            self.state = "content"
+            content, self.held = self.held, ""
+            return reasoning, content
+        content, self.held = self.held, ""
+        return "", content
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that is a proper start of `tag`."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:size]):
+            return size
+    return 0
+
+
+def split_reasoning(text: str) -> tuple[str | None, str]:
+    """A whole reply's (reasoning or None when it has none, content)."""
+    split = ReasoningSplit()
+    reasoning, content = split.feed(text, final=True)
+    return (reasoning if split.found else None), content
+
+
 @dataclass(frozen=True)
 class Reply:
     """What every body and chunk of one response shares."""
@@ -67,6 +120,7 @@ class Reply:
     return_token_ids: bool  # the request asked for token ids
     prefix: str = ""  # chat: the tool_choice prefill, part of the prompt, shown in the content
     tool_choice: str | None = None  # chat: None = no tools offered, so no tool-call parsing
+    reasoning: bool = False  # chat: split <think>...</think> into reasoning_content
 
     def logprob_entries(self, ids: list[int], logprobs: list[float]) -> list[dict[str, Any]]:
         entries = []
@@ -114,14 +168,18 @@ def completed(
 
 
 def chat_message(reply: Reply, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
-    """The assistant message of a finished choice and its finish_reason (tool calls parsed)."""
+    """The assistant message of a finished choice and its finish_reason (reasoning split off,
+    then tool calls parsed from the content)."""
+    reasoning, text = split_reasoning(text) if reply.reasoning else (None, text)
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if reply.tool_choice is not None:
         content, calls = parse_tool_calls(reply.prefix + text)
         if calls:
-            return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
-        if reply.prefix:
+            message, finish = {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+        elif reply.prefix:
             message["content"] = reply.prefix + text
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
     return message, finish
 
 
@@ -147,13 +205,29 @@ class _ChatStream:
         self.reply = reply
         self.buffered: dict[int, str] = {}  # index -> text held back to parse tool calls at the end
         self.started: set[int] = set()
+        self.splits: dict[int, ReasoningSplit] = {}  # index -> its reasoning split (reply.reasoning)
 
     def delta(self, d: Delta) -> dict[str, Any]:
         delta: dict[str, Any] = {}
         if d.index not in self.started:
             delta["role"] = "assistant"
+        if self.reply.reasoning:
+            return self._split_delta(d, delta)
+        return self._content_delta(d, d.text, delta)
+
+    def _split_delta(self, d: Delta, delta: dict[str, Any]) -> dict[str, Any]:
+        split = self.splits.setdefault(d.index, ReasoningSplit())
+        reasoning, content = split.feed(d.text, final=bool(d.finish_reason))
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        return self._content_delta(d, content, delta, quiet=bool(reasoning) or split.state != "content")
+
+    def _content_delta(
+        self, d: Delta, text: str, delta: dict[str, Any], quiet: bool = False
+    ) -> dict[str, Any]:
+        """`text` is the content part of this delta; `quiet`: no empty content when there is none."""
         if self.reply.tool_choice is not None:
-            text = self.buffered[d.index] = self.buffered.get(d.index, self.reply.prefix) + d.text
+            text = self.buffered[d.index] = self.buffered.get(d.index, self.reply.prefix) + text
             if d.finish_reason:
                 content, calls = parse_tool_calls(text)
                 if calls:
@@ -161,8 +235,8 @@ class _ChatStream:
                     delta["tool_calls"] = [{**call, "index": k} for k, call in enumerate(calls)]
                 else:
                     delta["content"] = text
-        elif d.text or d.index not in self.started:
-            delta["content"] = d.text
+        elif text or (d.index not in self.started and not quiet):
+            delta["content"] = text
         return delta
 
     def item(self, d: Delta) -> dict[str, Any]:

@@ -62,7 +62,7 @@ async def chat_completions(request: Request, state: ServerState) -> Response:
     reply = render.Reply(
         meta={"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": req.model},
         node=state.node, prompt_ids=prompt_ids, token_texts=state.token_texts, logprobs=bool(req.logprobs),
-        return_token_ids=req.return_token_ids, prefix=prefix, tool_choice=choice,
+        return_token_ids=req.return_token_ids, prefix=prefix, tool_choice=choice, reasoning=state.reasoning,
     )  # fmt: skip
     stream = state.engine.generate(prompt_ids, params, stream=req.stream)
     if req.stream:

@@ -7,7 +7,9 @@ render.py; the routes share one `ServerState` (state.py).
 
 Beyond OpenAI (see docs/inference.md): extra body fields `return_token_ids` (each choice gets
 `prompt_token_ids` and `token_ids`) and `ignore_eos`; every response has top-level
-`weight_version` and `node` and the header `x-squall-weight-version`. Logprobs are the
+`weight_version` and `node` and the header `x-squall-weight-version`; with
+`inference.reasoning_parser = "think"` a chat reply that opens with <think> carries the text up
+to </think> as `reasoning_content` (render.ReasoningSplit), its token ids unchanged. Logprobs are the
 model's own at temperature 1 (raw logits, before temperature and top_p).
 """
 
@@ -30,11 +32,18 @@ __all__ = ["VERSION_HEADER", "create_app"]
 
 
 def create_app(
-    engine: Engine, *, model_name: str, node: str, api_key: str = "", metrics: InferenceMetrics
+    engine: Engine,
+    *,
+    model_name: str,
+    node: str,
+    api_key: str = "",
+    metrics: InferenceMetrics,
+    reasoning_parser: str = "think",
 ) -> FastAPI:
     """The API of one node: `engine` samples, the app speaks OpenAI."""
     app = FastAPI(title="squall inference", docs_url=None, redoc_url=None)
-    state = ServerState(engine=engine, model_name=model_name, node=node, metrics=metrics)
+    reasoning = reasoning_parser == "think"
+    state = ServerState(engine=engine, model_name=model_name, node=node, metrics=metrics, reasoning=reasoning)
     metrics.watch_engine(engine.stats)
     app.add_middleware(Gate, api_key=api_key, metrics=metrics)
     app.add_exception_handler(ApiError, routes.api_error)  # type: ignore[arg-type]

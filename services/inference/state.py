@@ -21,6 +21,7 @@ class ServerState:
     model_name: str  # the name clients ask for (`model` in a request)
     node: str  # this node's id, in every response body
     metrics: InferenceMetrics
+    reasoning: bool = True  # split <think>...</think> into reasoning_content (inference.reasoning_parser)
     token_texts: TokenTexts = field(init=False)  # token id -> its text, for logprob entries
 
     def __post_init__(self) -> None:

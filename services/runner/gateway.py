@@ -405,6 +405,8 @@ async def _sse(reply: dict, route: str, include_usage: bool) -> AsyncIterator[by
         if chat:
             message = dict(choice.get("message") or {})
             delta: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
+            if message.get("reasoning_content") is not None:
+                delta["reasoning_content"] = message["reasoning_content"]
             if message.get("tool_calls"):
                 delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
             first = {
