@@ -134,6 +134,8 @@ class Up:
         if self.config.worker.queues:  # the tool pool; agents find it through the env (worker/client.py)
             env.update(SQUALL_RUN__NAME=self.keys.run, SQUALL_CONFIG=self.args.config or "")
             self.processes.append(ServiceProcess("worker", ["worker", *common], logs, env).start())
+        if self.config.tracking.backends:  # experiment tracking (services/tracking) follows the streams
+            self.processes.append(ServiceProcess("track", ["track", *common], logs, env).start())
         for i in range(self.args.runners):
             self.processes.append(ServiceProcess(f"runner-{i}", ["runner", *common], logs, env).start())
         print(f"squall up: run {self.keys.run!r} in {self.run_dir}: {len(nodes)} inference node(s) at "
@@ -192,11 +194,13 @@ class Up:
         # Runners first (they hand back in-flight work), then who feeds them, inference last.
         order = sorted(
             self.processes,
-            key=lambda p: ("runner", "worker", "scheduler", "trainer", "inference").index(
+            key=lambda p: ("runner", "worker", "scheduler", "trainer", "inference", "track").index(
                 p.name.split("-")[0]
             ),
         )
-        codes = stop_all(order, GRACE_S)
+        # The tracker stops after the rest: its last poll then logs all they wrote.
+        codes = stop_all([p for p in order if p.name != "track"], GRACE_S)
+        codes.update(stop_all([p for p in order if p.name == "track"], GRACE_S))
         unclean = {name: code for name, code in codes.items() if code not in (0, None, -signal.SIGTERM)}
         print(f"squall up: stopped {len(codes)} services ({self.reason or 'done'})"
               + (f"; unclean exits: {unclean}" if unclean else ""), flush=True)  # fmt: skip
