@@ -52,10 +52,9 @@ def demo_source() -> Path:
     calc = Path(squall.__file__).resolve().parents[1] / "examples" / "calc"
     if not (calc / "policy" / "config.json").is_file() or not (calc / "agent.py").is_file():
         raise ConfigError(
-            f"the demo policy and calculator agent come with a source checkout of squall "
-            f"(examples/calc), and there is none at {calc}: install squall from a checkout "
-            "(`pip install -e .`), or give `squall init` your own policy with --model PATH "
-            "and replace agent.py"
+            f"squall init copies the calculator agent, its data generator and the demo policy from "
+            f"a source checkout of squall (examples/calc), and there is none at {calc}: install "
+            "squall from a checkout (`git clone ...; pip install -e .`) and run it again"
         )
     return calc
 
