@@ -35,7 +35,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("squall.worker.cli", "run the tool pool: rq workers for code, retrieval, SQL and judge jobs"),
     "redis": ("squall.tools.redis_cmd", "run a local Redis-compatible server"),
     "peek": ("squall.tools.peek", "print stream entries decoded to JSON"),
-    "track": ("squall.tracking.cli", "log a run's metrics, rewards, ledger and samples to W&B, TensorBoard, MLflow"),
+    "track": (
+        "squall.tracking.cli",
+        "log a run's metrics, rewards, ledger and samples to W&B, TensorBoard, MLflow",
+    ),
     "export": ("squall.tools.export", "write a published weight version as a Hugging Face model folder"),
 }
 
