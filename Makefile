@@ -77,16 +77,19 @@ test-vllm:
 
 # Agent frameworks whose pins clash with the main venv (docs/frameworks.md), each in a
 # virtualenv of its own. Their agents run as external commands (`--agent-cmd`), so squall never
-# imports them; the tests (tests/test_frameworks_*.py) run in the main venv and find the two
+# imports them; the tests (tests/test_frameworks_*.py) run in the main venv and find the three
 # interpreters here. AutoGen pins protobuf 5 and the Agents SDK a websockets/mcp pair the main
-# venv does not have; CrewAI and LiteLLM pin openai 2 and pydantic 2.12.
+# venv does not have; CrewAI pins openai 2, pydantic 2.12 and mcp 1; LiteLLM pins openai 2 and
+# needs mcp 2 at call time (its [mcp] extra), where CrewAI needs mcp 1.
 AGENTS_VENV ?= .venv-agents
 AGENTS_PKGS ?= autogen-agentchat==0.7.5 autogen-ext[openai]==0.7.5 openai-agents==0.24.0
 CREWAI_VENV ?= .venv-crewai
-CREWAI_PKGS ?= crewai==1.15.30 litellm==1.106.2
+CREWAI_PKGS ?= crewai==1.15.30
+LITELLM_VENV ?= .venv-litellm
+LITELLM_PKGS ?= litellm[mcp]==1.106.2
 
 .PHONY: frameworks test-frameworks
-frameworks: $(AGENTS_VENV)/.installed $(CREWAI_VENV)/.installed
+frameworks: $(AGENTS_VENV)/.installed $(CREWAI_VENV)/.installed $(LITELLM_VENV)/.installed
 
 $(AGENTS_VENV)/.installed: Makefile
 	test -x $(AGENTS_VENV)/bin/python || $(PYTHON) -m venv $(AGENTS_VENV)
@@ -98,7 +101,13 @@ $(CREWAI_VENV)/.installed: Makefile
 	$(CREWAI_VENV)/bin/python -m pip install -q $(CREWAI_PKGS)
 	touch $@
 
+$(LITELLM_VENV)/.installed: Makefile
+	test -x $(LITELLM_VENV)/bin/python || $(PYTHON) -m venv $(LITELLM_VENV)
+	$(LITELLM_VENV)/bin/python -m pip install -q $(LITELLM_PKGS)
+	touch $@
+
 test-frameworks: setup frameworks
 	SQUALL_REQUIRE_SUITES="$${SQUALL_REQUIRE_SUITES:+$$SQUALL_REQUIRE_SUITES,}frameworks" \
 	AGENTS_PYTHON=$(abspath $(AGENTS_VENV))/bin/python CREWAI_PYTHON=$(abspath $(CREWAI_VENV))/bin/python \
+	LITELLM_PYTHON=$(abspath $(LITELLM_VENV))/bin/python \
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_frameworks_*.py

@@ -11,11 +11,10 @@ chat call against the Turn the gateway recorded for it:
   calls (parsed from the sampled text as the server does), plus the end-of-turn token;
 - it is attributed to the agent whose URL the call went to (`.../agent/NAME/v1` or `main`).
 
-The policy is the committed calculator policy (examples/calc/policy), which knows the
-calculator tool's Hermes format; its copy here gets a wider context (4096 positions instead of
-512, RoPE extrapolating) because frameworks such as CrewAI send system prompts of 1,500+
-tokens. The model's outputs beyond its training length are nonsense, which is fine: what is
-checked is the record, not the answer.
+The policy is the committed calculator policy (examples/calc/policy, 512 positions), which
+knows the calculator tool's Hermes format: with the tool schema it was trained on and a
+tool_choice that forces a call it calls the calculator; under a framework's own prompts and
+schemas it mostly answers (badly) without one. What is checked is the record, not the answer.
 """
 
 from __future__ import annotations
@@ -39,11 +38,14 @@ ROOT = TESTS_DIR.parent
 AGENTS_DIR = TESTS_DIR / "agents"
 RECORD = AGENTS_DIR / "record_calls.py"
 POLICY = ROOT / "examples" / "calc" / "policy"
-CONTEXT = 4096  # positions of the widened copy
 EOS = "<|im_end|>"
 SUITE = "frameworks"
 # The framework venvs `make frameworks` builds; AGENTS_PYTHON / CREWAI_PYTHON override them.
-VENVS = {"agents": ("AGENTS_PYTHON", ".venv-agents"), "crewai": ("CREWAI_PYTHON", ".venv-crewai")}
+VENVS = {
+    "agents": ("AGENTS_PYTHON", ".venv-agents"),
+    "crewai": ("CREWAI_PYTHON", ".venv-crewai"),
+    "litellm": ("LITELLM_PYTHON", ".venv-litellm"),
+}
 
 
 def venv_python(name: str) -> str:
@@ -57,15 +59,6 @@ def venv_python(name: str) -> str:
 def need_tools(*names: str) -> None:
     missing = [n for n in names if shutil.which(n) is None]
     need(SUITE, not missing, f"{', '.join(missing)} not on PATH: apt-get install {' '.join(missing)}")
-
-
-def widened_policy(out: Path) -> Path:
-    """A copy of the calculator policy whose context is CONTEXT positions."""
-    shutil.copytree(POLICY, out, dirs_exist_ok=True)
-    config = json.loads((out / "config.json").read_text())
-    config["max_position_embeddings"] = CONTEXT
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    return out
 
 
 def recorded_command(record: Path, *argv: str) -> str:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from framework_helpers import (
     AGENTS_DIR,
+    POLICY,
     chat_exchanges,
     check_token_exact,
     extends,
@@ -23,7 +24,6 @@ from framework_helpers import (
     tool_calls_of,
     tool_results,
     venv_python,
-    widened_policy,
 )
 from runner_helpers import Procs
 from test_gateway_agents import start_inference
@@ -37,8 +37,8 @@ ROW = {"question": QUESTION, "answer": 95}
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return str(widened_policy(tmp_path_factory.mktemp("policy")))
+def model_dir():
+    return str(POLICY)
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +134,34 @@ def test_openai_agents_sdk_streamed_agent_is_token_exact(r, run_name, procs, inf
                                [python, str(AGENTS_DIR / "openai_agents_calc.py")])  # fmt: skip
     check_token_exact(tokenizer, traj, calls)
     assert all(c["streamed"] for c in calls)
-    assert calls[0]["request"]["tool_choice"] == "required"
+    assert calls[0]["request"]["tool_choice"] == "required" and tool_calls_of(calls[0]["message"])
     check_tool_round_trip(calls, traj)
-    if tool_calls_of(calls[0]["message"]):  # the SDK ran the tool and asked again, tool_choice reset
-        assert len(calls) >= 2 and calls[1]["request"].get("tool_choice") in (None, "auto")
+    # The SDK ran the tool and asked again with tool_choice reset; its history re-renders to the
+    # sampled tokens.
+    assert len(calls) >= 2 and calls[1]["request"].get("tool_choice") in (None, "auto")
+    assert extends(traj.turns[0], traj.turns[1])
+
+
+def test_crewai_crew_calls_are_attributed_to_each_agent(r, run_name, procs, inference, tokenizer, tmp_path):
+    python = venv_python("crewai")
+    traj, calls = run_recorded(r, run_name, procs, inference, tmp_path,
+                               [python, str(AGENTS_DIR / "crewai_calc.py")])  # fmt: skip
+    check_token_exact(tokenizer, traj, calls)
+    agents = [c["agent"] for c in calls]
+    assert agents[0] == "solver" and agents[-1] == "checker" and set(agents) == {"solver", "checker"}
+    assert QUESTION in calls[0]["request"]["messages"][-1]["content"]
+    check_tool_round_trip(calls, traj)
+
+
+def test_litellm_client_tools_and_streaming_are_token_exact(
+    r, run_name, procs, inference, tokenizer, tmp_path
+):
+    python = venv_python("litellm")
+    traj, calls = run_recorded(r, run_name, procs, inference, tmp_path,
+                               [python, str(AGENTS_DIR / "litellm_calc.py")])  # fmt: skip
+    check_token_exact(tokenizer, traj, calls)
+    assert calls[0]["request"]["tool_choice"] == "required" and not calls[0]["streamed"]
+    assert all(c["streamed"] for c in calls[1:])
+    check_tool_round_trip(calls, traj)
+    if tool_calls_of(calls[0]["message"]):
+        assert len(calls) >= 2 and extends(traj.turns[0], traj.turns[1])

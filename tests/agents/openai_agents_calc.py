@@ -4,10 +4,13 @@ versions the main venv does not have):
 
     python tests/agents/openai_agents_calc.py < task.json   (prints the reward)
 
-One Agent with a `function_tool` on the Chat Completions model over OPENAI_BASE_URL, run
+One Agent with a calculator tool on the Chat Completions model over OPENAI_BASE_URL, run
 streamed (`Runner.run_streamed`). The first call must use a tool (`tool_choice="required"`;
 the SDK resets it to auto after the tool ran), so the calculator runs and its result goes back
-to the model in the next call.
+to the model in the next call. The tool is a `FunctionTool` with the JSON schema the tiny
+policy was trained on (non-strict): the schema `@function_tool` derives from a signature adds
+titles, `additionalProperties` and `strict`, and with it the tiny policy writes malformed calls
+(docs/frameworks.md).
 """
 
 from __future__ import annotations
@@ -20,22 +23,29 @@ from pathlib import Path
 
 from agents import (
     Agent,
+    FunctionTool,
     ModelSettings,
     OpenAIChatCompletionsModel,
     Runner,
-    function_tool,
     set_tracing_disabled,
 )
 from openai import AsyncOpenAI
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for examples.calc
-from examples.calc.agent import SYSTEM_PROMPT, run_tool, score  # noqa: E402
+from examples.calc.agent import CALCULATOR_TOOL, SYSTEM_PROMPT, run_tool, score  # noqa: E402
 
 
-@function_tool
-def calculator(expression: str) -> str:
-    """Evaluate arithmetic"""
-    return run_tool("calculator", json.dumps({"expression": expression}))
+async def run_calculator(context, arguments: str) -> str:
+    return run_tool("calculator", arguments)
+
+
+calculator = FunctionTool(
+    name="calculator",
+    description=CALCULATOR_TOOL["function"]["description"],
+    params_json_schema=CALCULATOR_TOOL["function"]["parameters"],
+    on_invoke_tool=run_calculator,
+    strict_json_schema=False,
+)
 
 
 async def solve(question: str) -> str | None:
