@@ -261,6 +261,11 @@ class InferenceSection(Section):
     reasoning_parser: Literal["think", "none"] = "think"
     """think: text between <think> and </think> in a chat reply goes to `reasoning_content`
     and out of `content` (the token ids stay exactly the sampled ones); none: all in content."""
+    snapshots: dict[str, int] = {}
+    """`squall up` only: policy snapshots to serve beside the policy, as served name -> weight
+    version to pin (0: the model the run starts from). Each is one more inference node pinned
+    to that version and added to `runner.frozen_models` under its name, so an agent that asks
+    for the name plays against it (e.g. a frozen opponent team) and its turns are untrained."""
 
     @model_validator(mode="after")
     def _check_snapshot(self) -> InferenceSection:

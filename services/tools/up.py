@@ -127,8 +127,19 @@ class Up:
             )
             for i, port in enumerate(ports)
         ]
+        snapshots = self.config.inference.snapshots  # served name -> pinned weight version
+        frozen = {name: free_port() for name in snapshots}
+        for name, port in frozen.items():  # pinned nodes, which the runners reach as frozen models
+            pin = ["--port", str(port), "--node", name, "--served-name", name]
+            pin += ["--pin-version", str(snapshots[name])]
+            nodes.append(ServiceProcess(f"inference-{name}", ["inference", *common, *pin], logs, env))
+        snapshot_urls = {name: f"http://127.0.0.1:{port}" for name, port in frozen.items()}
+        if snapshot_urls:
+            env["SQUALL_RUNNER__FROZEN_MODELS"] = json.dumps(
+                {**self.config.runner.frozen_models, **snapshot_urls}
+            )
         self.processes += [node.start() for node in nodes]
-        self._wait_healthy(urls)
+        self._wait_healthy([*urls, *snapshot_urls.values()])
         self.processes.append(ServiceProcess("trainer", ["trainer", *common], logs, env).start())
         self.processes.append(ServiceProcess("scheduler", ["scheduler", *common], logs, env).start())
         if self.config.worker.queues:  # the tool pool; agents find it through the env (worker/client.py)
