@@ -36,6 +36,28 @@ QUESTION = "Tom has 37 apples and buys 58 more. How many apples does Tom have no
 ROW = {"question": QUESTION, "answer": 95}
 
 
+# The framework's interpreter (or tools) are fixtures listed first, so a test whose framework is
+# missing skips before the inference server starts.
+@pytest.fixture(scope="module")
+def agents_python():
+    return venv_python("agents")
+
+
+@pytest.fixture(scope="module")
+def crewai_python():
+    return venv_python("crewai")
+
+
+@pytest.fixture(scope="module")
+def litellm_python():
+    return venv_python("litellm")
+
+
+@pytest.fixture(scope="module")
+def shell_tools():
+    need_tools("bash", "curl", "jq", "awk")
+
+
 @pytest.fixture(scope="module")
 def model_dir():
     return str(POLICY)
@@ -78,8 +100,9 @@ def check_tool_round_trip(calls: list[dict], traj) -> None:
             assert str(calculate(arguments["expression"])) in tool_results(calls[i + 1 :])
 
 
-def test_bash_curl_agent_is_token_exact_and_runs_its_tool(r, run_name, procs, inference, tokenizer, tmp_path):
-    need_tools("bash", "curl", "jq", "awk")
+def test_bash_curl_agent_is_token_exact_and_runs_its_tool(
+    shell_tools, r, run_name, procs, inference, tokenizer, tmp_path
+):
     traj, calls = run_recorded(r, run_name, procs, inference, tmp_path,
                                ["bash", str(AGENTS_DIR / "calc_curl.sh")], {**ROW, "seed": 0})  # fmt: skip
     check_token_exact(tokenizer, traj, calls)
@@ -92,16 +115,17 @@ def test_bash_curl_agent_is_token_exact_and_runs_its_tool(r, run_name, procs, in
     assert traj.reward == score(calls[-1]["message"]["content"], ROW["answer"])
 
 
-def test_bash_agent_reports_a_clear_error_when_the_endpoint_refuses(tmp_path):
-    need_tools("bash", "curl", "jq", "awk")
+def test_bash_agent_reports_a_clear_error_when_the_endpoint_refuses(shell_tools, tmp_path):
     dead = "http://127.0.0.1:9/v1"  # discard port: nothing listens
     run = subprocess.run(["bash", str(AGENTS_DIR / "calc_curl.sh")], input=json.dumps(ROW), text=True,
                          capture_output=True, timeout=60, env={"PATH": "/usr/bin:/bin", "OPENAI_BASE_URL": dead})  # fmt: skip
     assert run.returncode != 0 and "127.0.0.1" in run.stderr and run.stdout == ""
 
 
-def test_autogen_assistant_agent_is_token_exact(r, run_name, procs, inference, tokenizer, tmp_path):
-    python = venv_python("agents")
+def test_autogen_assistant_agent_is_token_exact(
+    agents_python, r, run_name, procs, inference, tokenizer, tmp_path
+):
+    python = agents_python
     traj, calls = run_recorded(r, run_name, procs, inference, tmp_path,
                                [python, str(AGENTS_DIR / "autogen_calc.py"), "single"])  # fmt: skip
     check_token_exact(tokenizer, traj, calls)
@@ -115,8 +139,10 @@ def test_autogen_assistant_agent_is_token_exact(r, run_name, procs, inference, t
         assert len(calls) == 1
 
 
-def test_autogen_team_calls_are_attributed_to_each_agent(r, run_name, procs, inference, tokenizer, tmp_path):
-    python = venv_python("agents")
+def test_autogen_team_calls_are_attributed_to_each_agent(
+    agents_python, r, run_name, procs, inference, tokenizer, tmp_path
+):
+    python = agents_python
     traj, calls = run_recorded(r, run_name, procs, inference, tmp_path,
                                [python, str(AGENTS_DIR / "autogen_calc.py"), "team"])  # fmt: skip
     check_token_exact(tokenizer, traj, calls)
@@ -128,8 +154,10 @@ def test_autogen_team_calls_are_attributed_to_each_agent(r, run_name, procs, inf
     assert QUESTION in json.dumps(calls[-1]["request"]["messages"])
 
 
-def test_openai_agents_sdk_streamed_agent_is_token_exact(r, run_name, procs, inference, tokenizer, tmp_path):
-    python = venv_python("agents")
+def test_openai_agents_sdk_streamed_agent_is_token_exact(
+    agents_python, r, run_name, procs, inference, tokenizer, tmp_path
+):
+    python = agents_python
     traj, calls = run_recorded(r, run_name, procs, inference, tmp_path,
                                [python, str(AGENTS_DIR / "openai_agents_calc.py")])  # fmt: skip
     check_token_exact(tokenizer, traj, calls)
@@ -142,8 +170,10 @@ def test_openai_agents_sdk_streamed_agent_is_token_exact(r, run_name, procs, inf
     assert extends(traj.turns[0], traj.turns[1])
 
 
-def test_crewai_crew_calls_are_attributed_to_each_agent(r, run_name, procs, inference, tokenizer, tmp_path):
-    python = venv_python("crewai")
+def test_crewai_crew_calls_are_attributed_to_each_agent(
+    crewai_python, r, run_name, procs, inference, tokenizer, tmp_path
+):
+    python = crewai_python
     traj, calls = run_recorded(r, run_name, procs, inference, tmp_path,
                                [python, str(AGENTS_DIR / "crewai_calc.py")])  # fmt: skip
     check_token_exact(tokenizer, traj, calls)
@@ -154,9 +184,9 @@ def test_crewai_crew_calls_are_attributed_to_each_agent(r, run_name, procs, infe
 
 
 def test_litellm_client_tools_and_streaming_are_token_exact(
-    r, run_name, procs, inference, tokenizer, tmp_path
+    litellm_python, r, run_name, procs, inference, tokenizer, tmp_path
 ):
-    python = venv_python("litellm")
+    python = litellm_python
     traj, calls = run_recorded(r, run_name, procs, inference, tmp_path,
                                [python, str(AGENTS_DIR / "litellm_calc.py")])  # fmt: skip
     check_token_exact(tokenizer, traj, calls)
