@@ -125,9 +125,8 @@ def test_bash_agent_reports_a_clear_error_when_the_endpoint_refuses(shell_tools,
 def test_autogen_assistant_agent_is_token_exact(
     agents_python, r, run_name, procs, inference, tokenizer, tmp_path
 ):
-    python = agents_python
     traj, calls = run_recorded(r, run_name, procs, inference, tmp_path,
-                               [python, str(AGENTS_DIR / "autogen_calc.py"), "single"])  # fmt: skip
+                               [agents_python, str(AGENTS_DIR / "autogen_calc.py"), "single"])  # fmt: skip
     check_token_exact(tokenizer, traj, calls)
     assert calls and {c["agent"] for c in calls} == {"main"}
     assert calls[0]["request"]["messages"][0]["content"] == "Solve the problem. Reply with the number."
@@ -142,9 +141,8 @@ def test_autogen_assistant_agent_is_token_exact(
 def test_autogen_team_calls_are_attributed_to_each_agent(
     agents_python, r, run_name, procs, inference, tokenizer, tmp_path
 ):
-    python = agents_python
     traj, calls = run_recorded(r, run_name, procs, inference, tmp_path,
-                               [python, str(AGENTS_DIR / "autogen_calc.py"), "team"])  # fmt: skip
+                               [agents_python, str(AGENTS_DIR / "autogen_calc.py"), "team"])  # fmt: skip
     check_token_exact(tokenizer, traj, calls)
     agents = [c["agent"] for c in calls]
     assert agents[0] == "solver" and agents[-1] == "checker" and set(agents) == {"solver", "checker"}
@@ -157,9 +155,8 @@ def test_autogen_team_calls_are_attributed_to_each_agent(
 def test_openai_agents_sdk_streamed_agent_is_token_exact(
     agents_python, r, run_name, procs, inference, tokenizer, tmp_path
 ):
-    python = agents_python
     traj, calls = run_recorded(r, run_name, procs, inference, tmp_path,
-                               [python, str(AGENTS_DIR / "openai_agents_calc.py")])  # fmt: skip
+                               [agents_python, str(AGENTS_DIR / "openai_agents_calc.py")])  # fmt: skip
     check_token_exact(tokenizer, traj, calls)
     assert all(c["streamed"] for c in calls)
     assert calls[0]["request"]["tool_choice"] == "required" and tool_calls_of(calls[0]["message"])
@@ -173,9 +170,8 @@ def test_openai_agents_sdk_streamed_agent_is_token_exact(
 def test_crewai_crew_calls_are_attributed_to_each_agent(
     crewai_python, r, run_name, procs, inference, tokenizer, tmp_path
 ):
-    python = crewai_python
     traj, calls = run_recorded(r, run_name, procs, inference, tmp_path,
-                               [python, str(AGENTS_DIR / "crewai_calc.py")])  # fmt: skip
+                               [crewai_python, str(AGENTS_DIR / "crewai_calc.py")])  # fmt: skip
     check_token_exact(tokenizer, traj, calls)
     agents = [c["agent"] for c in calls]
     assert agents[0] == "solver" and agents[-1] == "checker" and set(agents) == {"solver", "checker"}
@@ -186,9 +182,8 @@ def test_crewai_crew_calls_are_attributed_to_each_agent(
 def test_litellm_client_tools_and_streaming_are_token_exact(
     litellm_python, r, run_name, procs, inference, tokenizer, tmp_path
 ):
-    python = litellm_python
     traj, calls = run_recorded(r, run_name, procs, inference, tmp_path,
-                               [python, str(AGENTS_DIR / "litellm_calc.py")])  # fmt: skip
+                               [litellm_python, str(AGENTS_DIR / "litellm_calc.py")])  # fmt: skip
     check_token_exact(tokenizer, traj, calls)
     assert calls[0]["request"]["tool_choice"] == "required" and not calls[0]["streamed"]
     assert all(c["streamed"] for c in calls[1:])
