@@ -38,7 +38,7 @@ def snapshot(r: redis.Redis, keys: Keys) -> dict[str, Any]:
     return render(read_snapshot(r, keys, rewards=None, metrics=1, recent=0))
 
 
-def plot_curve(snap: dict[str, Any], path: Path) -> Path | None:
+def plot_curve(snap: dict[str, Any], path: Path, title: str = "squall: GRPO") -> Path | None:
     """Train reward (per group, smoothed) and validation reward against weight version."""
     try:
         import matplotlib
@@ -63,7 +63,7 @@ def plot_curve(snap: dict[str, Any], path: Path) -> Path | None:
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
-    ax.set_title("squall: calculator agent, GRPO on CPU")
+    ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

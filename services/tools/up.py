@@ -272,7 +272,7 @@ class Up:
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         self.summary = summary
-        png = plot_curve(s, self.run_dir / "learning_curve.png")
+        png = plot_curve(s, self.run_dir / "learning_curve.png", title=f"squall: run {self.keys.run}, GRPO")
         fmt = lambda x: "nan" if x is None else f"{x:.3f}"  # noqa: E731
         print(
             f"squall up: curve {png}, summary {self.run_dir / 'summary.json'}, ledger balanced={s['balanced']}"
