@@ -192,7 +192,10 @@ def test_a_short_run_learns_to_follow_the_clue(tmp_path):
     assert "unclean exits" not in out, out[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["ledger_balanced"], summary["ledger"]
-    assert summary["versions"]["inference:node0"] >= 20, summary["versions"]
+    versions = summary["versions"]
+    assert versions["inference:node0"] >= 10, versions  # the policy moved on ...
+    assert versions["snapshot:opponent"] == 0, versions  # ... and the wolves' snapshot did not
     val = [point["mean"] for point in summary["val_curve"]]
     assert len(val) >= 2, summary["val_curve"]
-    assert val[-1] >= val[0] + 0.1, val
+    print(out.strip().splitlines()[-1])  # werewolf: val_reward_start=... val_reward_end=... minutes=...
+    assert val[-1] >= val[0] + 0.2, val  # measured: 0.40 -> 0.99 by version 16 in the full run

@@ -4,22 +4,36 @@ The committed `examples/werewolf/policy/` was made by one command (CPU, one thre
 
     python -m examples.werewolf.sft --out examples/werewolf/policy
 
-1. Build a tiny Qwen2 model from scratch (`squall.inference.tiny.build_tiny_model`; sizes
-   below) whose BPE tokenizer is trained on the game's transcripts rendered with the chat
-   template the inference server uses.
+and `python -m examples.werewolf.sft --out DIR --evaluate-only --eval 300` re-measures a policy.
+
+1. Start from the calculator demo's policy (`examples/calc/policy`: 1.1 M parameters, its
+   tokenizer and chat template), which already copies digits from a prompt into its reply.
+   `--init ''` builds a fresh tiny model instead (`squall.inference.tiny.build_tiny_model`,
+   tokenizer trained on the game's transcripts); see "Result" for why that is not the default.
 2. Supervised pass on fresh games, one transcript per seat: exactly the messages the agent
-   sends (`game.messages`) and a reply that is one seat number. A villager votes the seat its
-   clue names with probability `--p-follow` (0.2), otherwise any other seat at random; a
-   wolf votes a random villager. Loss on the reply tokens only (the digit and `<|im_end|>`).
-   So the format is learnt, and the villagers' vote is close to random: RL has to discover
-   that the clue is worth following.
+   sends (`game.messages`) and a reply that is one seat number. Loss on the reply tokens only
+   (the digit and `<|im_end|>`). For the first `--read-steps` (30) steps every villager votes
+   the seat its clue names (the model learns where the clue is); after that a villager votes
+   its clue with probability `--p-follow` (0.2) and otherwise any other seat at random, and a
+   wolf votes a random villager. So the policy can read its clue but trusts it no more than
+   chance: RL has to discover that following it wins.
 3. Check on held-out games: the probability the policy puts on each villager's clue seat,
    how often a reply is a valid vote, and the villagers' win rate when both sides are played
    by this policy (votes sampled at temperature 1 from the raw logits, like the server's
-   behaviour policy); written to `sft_report.json` in the output folder.
+   behaviour policy; the vote is the first reply token); written to `sft_report.json`.
 
 Every prompt is `encode(render(messages) + generation prompt)` and every reply
 `encode(reply text)`, exactly as the inference server tokenises them.
+
+Result
+------
+Measured on this machine (2 shared CPU cores, load 3-5), seed 0: 150 steps x 8 games (48
+transcripts), 119 s; loss 0.82. Committed policy on 300 held-out games: probability on the
+clue seat 0.31 (0.2 + 0.8 x 1/5 = 0.36 is what the data asks for), valid votes 0.93, villager
+win rate 0.35 with both sides played by it. During the first 30 steps the loss falls to 0.32
+in 20 steps: the calculator policy learns to read the clue at once. A fresh 150 k-parameter
+model (hidden 64, 2 layers) did not: after 300 steps (150 of them always following the clue,
+lr up to 1e-2) its loss stayed at 0.90, uniform over the six seats, clue probability 1/6.
 """
 
 from __future__ import annotations
