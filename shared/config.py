@@ -12,7 +12,7 @@ import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -261,7 +261,7 @@ class InferenceSection(Section):
     reasoning_parser: Literal["think", "none"] = "think"
     """think: text between <think> and </think> in a chat reply goes to `reasoning_content`
     and out of `content` (the token ids stay exactly the sampled ones); none: all in content."""
-    snapshots: dict[str, int] = {}
+    snapshots: dict[str, Annotated[int, Field(ge=0)]] = {}
     """`squall up` only: policy snapshots to serve beside the policy, as served name -> weight
     version to pin (0: the model the run starts from). Each is one more inference node pinned
     to that version and added to `runner.frozen_models` under its name, so an agent that asks

@@ -23,7 +23,8 @@ from examples.werewolf import agent as ww_agent
 from examples.werewolf import game as rules
 from squall.runner.agents import LLM
 from squall.runner.gateway import Gateway
-from squall.shared.config import RunnerSection
+from squall.shared.config import RunnerSection, load_config
+from squall.shared.errors import ConfigError
 from squall.shared.localredis import free_port
 
 torch.set_num_threads(1)
@@ -199,3 +200,12 @@ def test_a_short_run_learns_to_follow_the_clue(tmp_path):
     assert len(val) >= 2, summary["val_curve"]
     print(out.strip().splitlines()[-1])  # werewolf: val_reward_start=... val_reward_end=... minutes=...
     assert val[-1] >= val[0] + 0.2, val  # measured: 0.40 -> 0.99 by version 16 in the full run
+
+
+def test_run_files_load_and_a_bad_snapshot_is_refused_naming_the_field():
+    for name in ("run.toml", "gpu.toml"):
+        config = load_config(ROOT / "examples" / "werewolf" / name, env={})
+        assert config.inference.snapshots == {"opponent": 0}
+        assert config.runner.seats == SEATS
+    with pytest.raises(ConfigError, match="inference.snapshots"):
+        load_config(env={}, overrides={"inference": {"snapshots": {"opponent": -1}}})

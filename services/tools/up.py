@@ -149,8 +149,11 @@ class Up:
             self.processes.append(ServiceProcess("track", ["track", *common], logs, env).start())
         for i in range(self.args.runners):
             self.processes.append(ServiceProcess(f"runner-{i}", ["runner", *common], logs, env).start())
-        print(f"squall up: run {self.keys.run!r} in {self.run_dir}: {len(nodes)} inference node(s) at "
-              f"{', '.join(urls)}, trainer, scheduler, {self.args.runners} runner(s); logs in {logs}", flush=True)  # fmt: skip
+        pinned = "".join(
+            f", snapshot {name!r} (version {snapshots[name]}) at {url}" for name, url in snapshot_urls.items()
+        )
+        print(f"squall up: run {self.keys.run!r} in {self.run_dir}: {len(urls)} inference node(s) at "
+              f"{', '.join(urls)}{pinned}, trainer, scheduler, {self.args.runners} runner(s); logs in {logs}", flush=True)  # fmt: skip
 
     def _wait_healthy(self, urls: list[str]) -> None:
         import httpx
