@@ -345,7 +345,7 @@ class Runner:
         for turn in trajectory.turns:
             self.metrics.tokens.labels(kind="prompt").inc(len(turn.prompt_ids) // 4)
             self.metrics.tokens.labels(kind="response").inc(len(turn.response_ids) // 4)
-            if turn.version >= 0:
+            if turn.trained and turn.version >= 0:  # a frozen opponent's version is not the policy's
                 self.metrics.weight_version.labels(role="seen").set(turn.version)
                 self.seen_version = max(self.seen_version, turn.version)
         dead = self.consumer.dead_lettered - self._dead_seen
