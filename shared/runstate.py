@@ -253,8 +253,13 @@ def _newest(r: redis.Redis, stream: str, count: int | None) -> list[tuple[Any, d
     return list(reversed(r.xrevrange(stream, count=count)))  # type: ignore[arg-type]
 
 
-def _decode_entry(fields: dict[Any, Any], kind: type[schemas.Message]) -> Any:
-    return schemas.decode(fields.get(schemas.ENTRY_FIELD, b""), kind)
+def decode_entry(fields: dict[Any, Any], kind: type[schemas.Message]) -> Any:
+    """The entry's message, or None when it does not decode as `kind`: a reader of run state
+    skips (and counts) a bad entry, it never stops on one."""
+    try:
+        return schemas.decode(fields.get(schemas.ENTRY_FIELD, b""), kind)
+    except Exception:  # SchemaError, or anything a foreign writer put there
+        return None
 
 
 def read_rewards(
@@ -264,9 +269,8 @@ def read_rewards(
     train: list[schemas.RewardPoint] = []
     val: list[schemas.RewardPoint] = []
     for _, fields in _newest(r, keys.rewards, count):
-        try:
-            point = _decode_entry(fields, schemas.RewardPoint)
-        except Exception:  # SchemaError, or anything a foreign writer put there
+        point = decode_entry(fields, schemas.RewardPoint)
+        if point is None:
             _count(skipped, "rewards")
             continue
         if math.isfinite(point.mean):
@@ -278,9 +282,8 @@ def read_metrics(r: redis.Redis, keys: Keys, count: int | None, skipped: dict[st
     series: dict[str, list[tuple[int, float]]] = {}
     last = None
     for _, fields in _newest(r, keys.metrics, count):
-        try:
-            message = _decode_entry(fields, schemas.Metrics)
-        except Exception:
+        message = decode_entry(fields, schemas.Metrics)
+        if message is None:
             _count(skipped, "metrics")
             continue
         for name, value in message.values.items():
@@ -299,13 +302,8 @@ def read_deadletters(r: redis.Redis, keys: Keys, count: int) -> list[DeadLetter]
 
 
 def read_events(r: redis.Redis, keys: Keys, count: int) -> list[schemas.Event]:
-    events = []
-    for _, fields in _newest(r, keys.events, count)[::-1]:
-        try:
-            events.append(_decode_entry(fields, schemas.Event))
-        except Exception:
-            continue
-    return events
+    events = (decode_entry(fields, schemas.Event) for _, fields in _newest(r, keys.events, count)[::-1])
+    return [event for event in events if event is not None]
 
 
 def read_snapshot(

@@ -68,14 +68,6 @@ def entries_after(r: redis.Redis, stream: str, last_id: str) -> Iterator[tuple[s
             return
 
 
-def decode(fields: dict[Any, Any], kind: type[schemas.Message]) -> Any:
-    """The entry's message, or None when it does not decode as `kind`."""
-    try:
-        return schemas.decode(fields.get(schemas.ENTRY_FIELD, b""), kind)
-    except Exception:  # SchemaError, or anything a foreign writer put there
-        return None
-
-
 def finite(values: dict[str, float]) -> dict[str, float]:
     return {k: float(v) for k, v in values.items() if isinstance(v, int | float) and math.isfinite(v)}
 

@@ -29,7 +29,7 @@ from squall.shared.config import RunConfig
 from squall.shared.errors import ConfigError
 from squall.shared.keys import Keys
 from squall.shared.retry import REDIS_ERRORS, RedisOutage
-from squall.shared.runstate import read_ledger, read_versions
+from squall.shared.runstate import decode_entry, read_ledger, read_versions
 
 from . import cursor as cursors
 from . import sources
@@ -89,7 +89,7 @@ class Tracker:
         for entry_id, fields in sources.entries_after(
             self.r, self.keys.stream_names()[stream], self.cursor.last_id(stream)
         ):
-            message = sources.decode(fields, kind)
+            message = decode_entry(fields, kind)
             if message is None:
                 self.skipped += 1
             else:
