@@ -70,3 +70,12 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         write(f"{others} other skipped test(s): their reasons are in the short test summary (-ra)")
     if suites:
         write(f"to make a suite required (a missing tool fails instead of skipping): {REQUIRE_ENV}=name,...")
+
+
+def need_verl() -> None:
+    """The verl backend's tests: they run in `make test-verl`'s virtualenv, which has verl."""
+    need(
+        "verl",
+        installed("verl"),
+        "verl is not installed here (make test-verl runs these tests in .venv-verl)",
+    )

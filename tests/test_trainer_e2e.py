@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from optional import installed, need
+from optional import need_verl
 from test_trainer_step import VOCAB, make_tiny_model, sampled_trajectory
 from waiting import wait_for
 
@@ -93,11 +93,7 @@ def publish_dataset(r, keys: Keys, model) -> tuple[set[str], set[str]]:
 @pytest.mark.parametrize("backend", ["torch", pytest.param("verl", marks=pytest.mark.verl)])
 def test_kill9_resume_trains_every_key_exactly_once(tmp_path, r, redis_url, run_name, backend):
     if backend == "verl":
-        need(
-            "verl",
-            installed("verl"),
-            "verl is not installed here (make test-verl runs these tests in .venv-verl)",
-        )
+        need_verl()
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM
 

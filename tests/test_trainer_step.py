@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from optional import installed, need
+from optional import need_verl
 from safetensors.torch import load_file
 
 from squall.shared.config import load_config
@@ -167,11 +167,7 @@ def test_grpo_steps_raise_reward_on_a_toy_task(tmp_path, backend_name):
     from squall.trainer.filters import decide_group
 
     if backend_name == "verl":
-        need(
-            "verl",
-            installed("verl"),
-            "verl is not installed here (make test-verl runs these tests in .venv-verl)",
-        )
+        need_verl()
     model_path = make_tiny_model(tmp_path / "model")
     backend = make_backend(backend_name, config_for(tmp_path, model_path, lr=2e-2))
     gen = torch.Generator().manual_seed(0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from optional import installed, need
+from optional import need_verl
 from test_trainer_step import config_for, make_tiny_model, sampled_trajectory
 
 from squall.trainer.sequences import trajectory_to_samples
@@ -38,11 +38,7 @@ def test_verl_layout_left_pads_prompts_and_masks_observations():
 @pytest.mark.verl
 @pytest.mark.slow
 def test_verl_update_policy_step_matches_torch_and_lowers_loss(tmp_path):
-    need(
-        "verl",
-        installed("verl"),
-        "verl is not installed here (make test-verl runs these tests in .venv-verl)",
-    )
+    need_verl()
     from squall.trainer.backend import make_backend
 
     model_path = make_tiny_model(tmp_path / "model")
@@ -68,11 +64,7 @@ def test_verl_update_policy_step_matches_torch_and_lowers_loss(tmp_path):
 @pytest.mark.verl
 @pytest.mark.gpu
 def test_verl_fsdp_step_on_gpu(tmp_path):
-    need(
-        "verl",
-        installed("verl"),
-        "verl is not installed here (make test-verl runs these tests in .venv-verl)",
-    )
+    need_verl()
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from squall.trainer.backend import make_backend
@@ -113,11 +105,7 @@ def test_verl_dual_clip_and_tis_differ_only_past_the_cap_for_negative_advantages
     """verl's vanilla loss (dual clip, clip_ratio_c = c) and squall's TIS (tis_cap = c) have the
     same value everywhere; their gradients differ only where A < 0 and ratio > c: there
     dual clip makes the term the constant -A*c (gradient 0), TIS keeps -A*c*grad(logp)."""
-    need(
-        "verl",
-        installed("verl"),
-        "verl is not installed here (make test-verl runs these tests in .venv-verl)",
-    )
+    need_verl()
     from verl.trainer.ppo.core_algos import compute_policy_loss
 
     from squall.trainer.losses import ppo_tis_token_loss
@@ -157,11 +145,7 @@ def test_verl_dual_clip_and_tis_differ_only_past_the_cap_for_negative_advantages
 def test_the_registered_verl_policy_loss_is_squalls(loss_agg_mode):
     """The verl backend's loss mode computes squall's loss: value and gradient equal to
     ppo_tis_loss with the matching normalisation, at ratios far from 1."""
-    need(
-        "verl",
-        installed("verl"),
-        "verl is not installed here (make test-verl runs these tests in .venv-verl)",
-    )
+    need_verl()
     from omegaconf import OmegaConf
 
     from squall.trainer.losses import ppo_tis_loss
@@ -189,11 +173,7 @@ def test_the_registered_verl_policy_loss_is_squalls(loss_agg_mode):
 def test_verl_step_matches_torch_far_from_ratio_one(tmp_path):
     """Behaviour logprobs far from the model's (ratios e^-2.5 .. e^2.5, both advantage signs):
     the verl backend's step equals the torch backend's, and verl's own dual clip would not."""
-    need(
-        "verl",
-        installed("verl"),
-        "verl is not installed here (make test-verl runs these tests in .venv-verl)",
-    )
+    need_verl()
     from squall.trainer.backend import make_backend
 
     model_path = make_tiny_model(tmp_path / "model")
