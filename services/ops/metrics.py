@@ -103,7 +103,7 @@ class QueueCollector(Collector):
         self.r, self.keys = r, keys
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        from squall.shared.runstate import read_snapshot
+        from squall.shared.runstate import read_ledger, read_streams
 
         lag = GaugeMetricFamily(
             "squall_queue_lag_entries", "Entries not yet delivered to a group", labels=["stream", "group"]
@@ -118,17 +118,17 @@ class QueueCollector(Collector):
         balanced = GaugeMetricFamily(
             "squall_ledger_balanced", "1 when every dispatched attempt is in one state"
         )
-        try:
-            snap = read_snapshot(self.r, self.keys, rewards=0, metrics=0, recent=0)
+        try:  # only the parts of the run state this collector shows, not a whole snapshot
+            streams, attempts = read_streams(self.r, self.keys), read_ledger(self.r, self.keys)
         except Exception:  # a scrape must not fail because Redis is briefly away
             return
-        for name, stream in snap.streams.items():
+        for name, stream in streams.items():
             length.add_metric([name], stream.length)
-        for group in snap.groups:
-            if group.lag is not None:
-                lag.add_metric([group.stream, group.group], group.lag)
-            pending.add_metric([group.stream, group.group], group.pending)
-        for state, n in snap.ledger.counts.items():
+            for group in stream.groups:
+                if group.lag is not None:
+                    lag.add_metric([group.stream, group.group], group.lag)
+                pending.add_metric([group.stream, group.group], group.pending)
+        for state, n in attempts.counts.items():
             ledger.add_metric([state], n)
-        balanced.add_metric([], 1.0 if snap.ledger.balanced else 0.0)
+        balanced.add_metric([], 1.0 if attempts.balanced else 0.0)
         yield from (lag, pending, length, ledger, balanced)
