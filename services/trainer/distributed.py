@@ -1,0 +1,257 @@
+"""The trainer beyond one process: the world, the process group, FSDP2 and the rank protocol.
+
+One code path for every world size. Rank 0 runs the whole Trainer (bus, groups, ledger,
+checkpoints' meta, acks, publication); every other rank runs `follow`: it builds the same
+backend and executes what rank 0 tells it, one command at a time, in rank 0's order:
+
+    train   the step's samples (all of them: each rank takes its share of the micro-batches)
+    save    a checkpoint folder (each rank writes its DCP shard and its RNG)
+    load    a checkpoint folder (each rank reads its shard)
+    weights gather the full state dict to rank 0 (a collective: every rank takes part)
+    idle    nothing: sent while rank 0 waits for data, so a follower's wait has a deadline
+    stop    leave (rank 0 stopped: SIGTERM, max_steps, or an error there)
+
+Commands travel over a gloo group (the samples are Python objects; with NCCL they would be
+copied through the GPU), tensors over the default group (gloo on CPU, NCCL on CUDA). Every
+collective has a timeout (`trainer.collective_timeout_s`): a rank that stops answering makes
+the others raise instead of hanging; torchrun then tears the whole group down.
+
+World size 1 needs none of this: no process group, the backend is used directly.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .backend import TrainerBackend
+from .sequences import Sample
+
+IDLE_PING_S = 2.0  # rank 0 tells the followers it is alive at least this often while waiting
+
+
+class WorldSizeError(ValueError):
+    """Ranks and devices (or a checkpoint) disagree about the world size."""
+
+
+@dataclass(frozen=True)
+class World:
+    """Where this process stands among the trainer's ranks."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0  # rank on this node: which GPU it drives
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def current_world() -> World:
+    """The world of an initialised process group (a Ray Train worker arrives with one), else
+    torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK), else one process."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if dist.is_available() and dist.is_initialized():
+        return World(dist.get_rank(), dist.get_world_size(), local_rank)
+    return World(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")), local_rank)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def check_devices(device: str, ranks_per_node: int) -> None:
+    """A clear error before starting when a node is asked for more CUDA ranks than it has GPUs."""
+    if resolve_device(device).type != "cuda":
+        return
+    have = torch.cuda.device_count()
+    if ranks_per_node > have:
+        raise WorldSizeError(
+            f"{ranks_per_node} ranks per node asked for with trainer.device={device!r}, but this node has "
+            f"{have} CUDA device(s): pass --nproc-per-node {have} or fewer (one rank per GPU), "
+            "or set trainer.device = 'cpu'"
+        )
+
+
+def rank_device(device: str, world: World) -> torch.device:
+    """The device this rank trains on: its own GPU (cuda:LOCAL_RANK) when on CUDA."""
+    resolved = resolve_device(device)
+    if resolved.type == "cuda" and world.distributed and resolved.index is None:
+        return torch.device("cuda", world.local_rank)
+    return resolved
+
+
+def init_world(device: str, timeout_s: float) -> World:
+    """Join the process group when launched with more than one rank (gloo on CPU, NCCL on
+    CUDA, collectives timing out after `timeout_s`); a group already set up (Ray Train) is
+    used as it is. World size 1: nothing happens."""
+    world = current_world()
+    if not world.distributed or dist.is_initialized():
+        return world
+    on_cuda = resolve_device(device).type == "cuda"
+    if on_cuda:
+        check_devices(device, int(os.environ.get("LOCAL_WORLD_SIZE", world.local_rank + 1)))
+        torch.cuda.set_device(world.local_rank)
+    dist.init_process_group(backend="nccl" if on_cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+    return current_world()
+
+
+_CONTROL: dict[str, Any] = {}
+
+
+def control_group(timeout_s: float) -> Any:
+    """The gloo group commands travel on: the default group when it is gloo already. Every
+    rank must call this at the same point (creating a group is a collective)."""
+    if "group" not in _CONTROL:
+        if dist.get_backend() == "gloo":
+            _CONTROL["group"] = None  # the default group
+        else:
+            _CONTROL["group"] = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    return _CONTROL["group"]
+
+
+def shutdown() -> None:
+    """Leave the process group (no-op when there is none)."""
+    _CONTROL.clear()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# --- FSDP2 ---------------------------------------------------------------------
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks of a Hugging Face model: the classes it lists in
+    `_no_split_modules` (Qwen2DecoderLayer, LlamaDecoderLayer, ...)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(
+            f"{type(model).__name__} names no decoder layer class (_no_split_modules={sorted(names)}): "
+            "FSDP shards per decoder layer; use a transformers causal LM that lists them"
+        )
+    return layers
+
+
+def shard_model(model: torch.nn.Module) -> torch.nn.Module:
+    """FSDP2 over the world: each decoder layer its own unit (all-gathered for its forward and
+    backward only), then the root (embeddings, final norm, head). Gradients are summed across
+    ranks, not averaged: the loss weights already divide by the whole step's tokens."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    for layer in decoder_layers(model):
+        fully_shard(layer)
+    fully_shard(model)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+    return model
+
+
+def share_of(batches: Sequence[list[int]], world: World) -> list[list[int] | None]:
+    """This rank's micro-batches (round robin), padded with None up to the same count on
+    every rank: FSDP needs every rank to run as many forwards and backwards as the others.
+    A None is run as a zero-weight micro-batch (no gradient, no metric)."""
+    per_rank = -(-len(batches) // world.world_size)
+    mine: list[list[int] | None] = list(batches[world.rank :: world.world_size])
+    return mine + [None] * (per_rank - len(mine))
+
+
+def all_reduce_sums(values: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Every rank's `values` summed (same keys on every rank), as floats."""
+    keys = sorted(values)
+    tensor = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return dict(zip(keys, tensor.tolist(), strict=True))
+
+
+def broadcast_object(obj: Any, group: Any) -> Any:
+    """Rank 0's `obj` on every rank (the others pass None)."""
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=0, group=group)
+    return holder[0]
+
+
+def barrier(group: Any = None) -> None:
+    dist.barrier(group=group)
+
+
+# --- the rank protocol -------------------------------------------------------------
+class Leader:
+    """Rank 0's end of the protocol: every backend call the followers must join is announced."""
+
+    def __init__(self, world: World, group: Any) -> None:
+        self.world, self.group = world, group
+        self.last_sent = time.monotonic()
+
+    def send(self, command: str, *args: Any) -> None:
+        broadcast_object((command, args), self.group)
+        self.last_sent = time.monotonic()
+
+    def idle(self) -> None:
+        if time.monotonic() - self.last_sent >= IDLE_PING_S:
+            self.send("idle")
+
+    def stop(self, ok: bool) -> None:
+        self.send("stop", ok)
+
+
+class LeaderBackend(TrainerBackend):
+    """The backend as rank 0's Trainer sees it: each call is first sent to the followers,
+    which make the same call on their own backend."""
+
+    def __init__(self, inner: TrainerBackend, leader: Leader) -> None:
+        self.inner, self.leader = inner, leader
+        self.vocab_size, self.pad_id = inner.vocab_size, inner.pad_id
+
+    def train_step(self, samples: Sequence[Sample]) -> dict[str, float]:
+        self.leader.send("train", list(samples))
+        return self.inner.train_step(samples)
+
+    def weights(self) -> dict[str, Any]:
+        self.leader.send("weights")
+        return self.inner.weights()
+
+    def save_state(self, path: Path) -> None:
+        self.leader.send("save", str(path))
+        self.inner.save_state(path)
+
+    def load_state(self, path: Path) -> None:
+        self.leader.send("load", str(path))
+        self.inner.load_state(path)
+
+    def __getattr__(self, name: str) -> Any:  # backend extras (model, device) for diagnostics
+        return getattr(self.inner, name)
+
+
+def follow(backend: TrainerBackend, group: Any) -> int:
+    """A follower's whole life: run rank 0's commands until it says stop. Returns the exit
+    code (0 when rank 0 stopped cleanly)."""
+    while True:
+        command, args = broadcast_object(None, group)
+        if command == "stop":
+            return 0 if args[0] else 1
+        if command == "train":
+            backend.train_step(args[0])
+        elif command == "save":
+            backend.save_state(Path(args[0]))
+        elif command == "load":
+            backend.load_state(Path(args[0]))
+        elif command == "weights":
+            backend.weights()
+        elif command != "idle":
+            raise RuntimeError(
+                f"unknown command {command!r} from rank 0 (ranks run different squall versions?)"
+            )
