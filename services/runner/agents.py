@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from squall.shared.config import agent_name_problem
 from squall.shared.errors import AgentError, ConfigError
 
 STDERR_TAIL = 2000  # characters of a failed command's stderr kept in the error
@@ -42,7 +43,10 @@ class LLM:
     _emitted: list[float] = field(default_factory=list)
 
     def agent_url(self, name: str) -> str:
-        """Base URL for a named agent (multi-agent tasks): its calls are attributed to `name`."""
+        """Base URL for a named agent (multi-agent tasks): its calls are attributed to `name`.
+        ValueError for a name that cannot be one URL segment (config.AGENT_NAME_RULE)."""
+        if problem := agent_name_problem(name):
+            raise ValueError(f"llm.agent_url: {problem}")
         return f"{self._root}/agent/{name}/v1"
 
     def emit_reward(self, reward: float) -> None:

@@ -39,7 +39,7 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
-from squall.shared.config import RunnerSection
+from squall.shared.config import AGENT_NAME_RULE, RunnerSection, agent_name_problem
 from squall.shared.logs import get_logger
 from squall.shared.schemas import Turn, pack_logprobs, pack_tokens
 
@@ -208,11 +208,16 @@ class Gateway:
                 orjson.dumps({"status": "ok", "attempts": len(self.attempts)}), media_type="application/json"
             )
 
+        async def unrouted(request: Request) -> Response:
+            return _error(404, _unrouted_message(request))
+
         for prefix in ("/a/{token}/v1", "/a/{token}/agent/{agent}/v1"):
             app.router.add_route(f"{prefix}/chat/completions", chat, methods=["POST"])
             app.router.add_route(f"{prefix}/completions", completions, methods=["POST"])
             app.router.add_route(f"{prefix}/models", models, methods=["GET"])
         app.router.add_route("/health", health, methods=["GET"])
+        # Last: whatever matched no route above gets an error saying why, not a bare 404.
+        app.router.add_route("/{rest:path}", unrouted, methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
         return app
 
     # --- one call --------------------------------------------------------------------------
@@ -226,6 +231,8 @@ class Gateway:
             return _error(400, f"request body is not JSON: {exc}")
         if not isinstance(body, dict):
             return _error(400, "request body must be a JSON object")
+        if agent != "main" and (problem := agent_name_problem(agent)):
+            return _error(400, f"{problem}; build the URL with llm.agent_url(name)")
         if self.section.seats and agent != "main" and agent not in self.section.seats:
             return _error(
                 404, f"agent {agent!r} is not one of runner.seats {self.section.seats}; "
@@ -384,6 +391,24 @@ def _strip(reply: dict, *, keep_logprobs: bool) -> None:
         choice.pop("token_ids", None)
         if not keep_logprobs:
             choice["logprobs"] = None
+
+
+ROUTES = "/a/TOKEN/v1/{chat/completions,completions,models} and /a/TOKEN/agent/NAME/v1/..."
+
+
+def _unrouted_message(request: Request) -> str:
+    """Why a request matched no route: most often an agent name that is not one URL segment
+    (`team/a` adds a segment, `a?b` starts a query string, an empty name leaves `//`)."""
+    path = request.url.path
+    query = f"?{request.url.query}" if request.url.query else ""
+    said = f"no route for {request.method} {path}{query}: the gateway serves {ROUTES}"
+    head, sep, tail = path.partition("/agent/")
+    if sep and head.startswith("/a/"):
+        name = tail.removesuffix("/").rsplit("/v1", 1)[0] if "/v1" in tail else tail
+        if query and "/v1" not in tail:  # the name held a '?': the rest of it is in the query
+            name = f"{name}?{request.url.query.split('/v1')[0]}"
+        said += f"; the agent name here reads {name!r}, and an agent name must be {AGENT_NAME_RULE}"
+    return said
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> Response:
