@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,6 +21,19 @@ from .errors import ConfigError
 from .keys import RUN_NAME_PATTERN
 
 ENV_PREFIX = "SQUALL_"
+
+# An agent name is one path segment of the gateway's per-agent URL (`/a/{token}/agent/{name}/v1`):
+# it must survive a URL unencoded, so no '/', '?', '#', '%' or spaces, and never '.' or '..'.
+AGENT_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+AGENT_NAME_RULE = "1-64 letters, digits, '_', '.' or '-', starting with a letter or digit"
+
+
+def agent_name_problem(name: object) -> str | None:
+    """Why `name` cannot be an agent name (None when it can): said the same way by the config,
+    `llm.agent_url` and the gateway."""
+    if not isinstance(name, str) or not AGENT_NAME_PATTERN.match(name):
+        return f"agent name {name!r} is not valid: use {AGENT_NAME_RULE}"
+    return None
 
 
 class Section(BaseModel):
@@ -152,6 +166,12 @@ class RunnerSection(Section):
 
     @model_validator(mode="after")
     def _check_seats(self) -> RunnerSection:
+        for field_name in ("seats", "train_agents"):
+            for name in getattr(self, field_name):
+                if problem := agent_name_problem(name):
+                    raise ValueError(f"runner.{field_name}: {problem} (it goes into the agent's URL)")
+        if "" in self.frozen_models:
+            raise ValueError("runner.frozen_models has an empty model name: name each endpoint")
         if self.seats and len(set(self.seats)) != len(self.seats):
             raise ValueError(f"runner.seats lists a name twice: {self.seats}")
         unknown = [a for a in self.train_agents if self.seats and a not in self.seats]
