@@ -3,6 +3,7 @@
 
     .venv/bin/python benchmarks/inference.py                 # the tiny model, CPU
     .venv/bin/python benchmarks/inference.py --model DIR --tokens 128
+    python benchmarks/inference.py --device cuda --shape qwen2-0.5b --concurrency 1,8,32,128
 
 Every request samples exactly `--tokens` tokens (`ignore_eos`; `min_new_tokens` for
 generate), so tokens/s compare like with like. The server runs as `squall inference` in a
@@ -48,17 +49,19 @@ def process_cpu_s(pid: int) -> float:
 class Generate:
     """Plain `model.generate` on the same model and prompt, in this process."""
 
-    def __init__(self, model_dir: str) -> None:
+    def __init__(self, model_dir: str, device: str) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        self.device = torch.device(device)
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32  # as the server's "auto"
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(self.device).eval()
         prompt = self.tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=False)
         self.prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
 
     def run(self, tokens: int, batch: int, repeats: int) -> tuple[float, float]:
         """(tokens per wall second, tokens per CPU second) sampling `tokens` for `batch` prompts."""
-        ids = torch.tensor([self.prompt_ids] * batch)
+        ids = torch.tensor([self.prompt_ids] * batch, device=self.device)
         kwargs = dict(
             max_new_tokens=tokens, min_new_tokens=tokens, do_sample=True, top_p=1.0, temperature=1.0, top_k=0,
             pad_token_id=self.tokenizer.pad_token_id, attention_mask=torch.ones_like(ids),
@@ -68,6 +71,8 @@ class Generate:
             wall, cpu = time.perf_counter(), time.process_time()
             for _ in range(repeats):
                 out = self.model.generate(ids, **kwargs)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         assert out.shape[1] - ids.shape[1] == tokens
         produced = batch * tokens * repeats
@@ -76,8 +81,8 @@ class Generate:
 
 async def bench_server(
     url: str, pid: int, tokens: int, concurrency: int, requests_per_worker: int
-) -> tuple[float, float, float]:
-    """(tokens per wall second, tokens per server CPU second, mean latency s) with
+) -> tuple[float, float, float, float, float]:
+    """(tokens per wall second, tokens per server CPU second, mean, p50 and p99 latency s) with
     `concurrency` clients each sending requests back to back."""
     body = {
         "model": "policy", "messages": PROMPT, "max_tokens": tokens, "ignore_eos": True,
@@ -85,7 +90,7 @@ async def bench_server(
     }  # fmt: skip
     latencies: list[float] = []
     async with httpx.AsyncClient(
-        base_url=url, timeout=600, limits=httpx.Limits(max_connections=64)
+        base_url=url, timeout=600, limits=httpx.Limits(max_connections=max(64, concurrency))
     ) as client:
         await client.post("/v1/chat/completions", json=body)  # warm-up
 
@@ -101,11 +106,16 @@ async def bench_server(
         wall, cpu = time.perf_counter(), process_cpu_s(pid)
         produced = sum(await asyncio.gather(*(worker() for _ in range(concurrency))))
         wall, cpu = time.perf_counter() - wall, process_cpu_s(pid) - cpu
-    return produced / wall, produced / cpu, sum(latencies) / len(latencies)
+    latencies.sort()
+    p50, p99 = latencies[len(latencies) // 2], latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))]
+    return produced / wall, produced / cpu, sum(latencies) / len(latencies), p50, p99
 
 
-def start_server(model_dir: str, port: int) -> subprocess.Popen:
-    env = {**os.environ, "SQUALL_INFERENCE__TORCH_THREADS": "1", "SQUALL_INFERENCE__MAX_BATCH": "32"}
+def start_server(model_dir: str, port: int, device: str, max_batch: int) -> subprocess.Popen:
+    env = {
+        **os.environ, "SQUALL_INFERENCE__TORCH_THREADS": "1", "SQUALL_INFERENCE__MAX_BATCH": str(max_batch),
+        "SQUALL_INFERENCE__DEVICE": device,
+    }  # fmt: skip
     cmd = [
         sys.executable,
         "-m",
@@ -139,8 +149,12 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=64, help="tokens sampled per request")
     parser.add_argument("--requests", type=int, default=128, help="requests per concurrency level (about)")
     parser.add_argument("--rounds", type=int, default=5, help="alternating server/generate rounds (median)")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda (bf16 there, on both sides)")
+    parser.add_argument("--concurrency", default="1,8,32", help="comma-separated concurrency levels, 1 first")
+    parser.add_argument("--shape", help="instead of --model: a random model of this shape (e.g. qwen2-0.5b)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    levels = [int(v) for v in args.concurrency.split(",")]
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model
@@ -148,13 +162,17 @@ def main() -> int:
             from squall.inference.tiny import build_tiny_model
 
             model_dir = str(build_tiny_model(Path(tmp) / "tiny"))
+        if args.shape:
+            from squall.inference.tiny import build_shaped_model
+
+            model_dir = str(build_shaped_model(Path(tmp) / args.shape, args.shape))
         port = free_port()
-        server = start_server(model_dir, port)
+        server = start_server(model_dir, port, args.device, max(levels))
         try:
-            generate = Generate(model_dir)
+            generate = Generate(model_dir, args.device)
             url = f"http://127.0.0.1:{port}"
             rows = []
-            for concurrency in (1, 8, 32):
+            for concurrency in levels:
                 # Server and generate alternate, `rounds` times each, and medians are compared,
                 # so load from other processes on the machine hits both alike.
                 per_worker = max(2, args.requests // (concurrency * args.rounds))
@@ -169,7 +187,7 @@ def main() -> int:
                 rows.append(
                     (
                         concurrency,
-                        *(statistics.median(r[i] for r in server_runs) for i in range(3)),
+                        *(statistics.median(r[i] for r in server_runs) for i in range(5)),
                         *(statistics.median(r[i] for r in generate_runs) for i in range(2)),
                     )
                 )
@@ -178,36 +196,42 @@ def main() -> int:
             server.wait(30)
 
     base = rows[0][1]
+    where = args.device if args.device == "cpu" else f"{args.device} ({torch.cuda.get_device_name()}, bf16)"
     print(
-        f"\n{args.tokens} tokens per request, CPU, 1 torch thread; generate = model.generate at batch = concurrency"
+        f"\n{args.tokens} tokens per request, {where}, 1 torch thread; generate = model.generate at batch = concurrency"
     )
     print("tok/s: tokens per wall second; tok/cpu-s: tokens per CPU second of the serving process")
     header = (
         "concurrency",
         "server tok/s",
         "x conc. 1",
-        "latency s",
+        "mean lat s",
+        "p50 lat s",
+        "p99 lat s",
         "server tok/cpu-s",
         "generate tok/s",
         "generate tok/cpu-s",
     )
     print(" | ".join(header))
-    print("-" * 118)
-    for concurrency, tps, cpu_tps, latency, gen, gen_cpu in rows:
+    print("-" * 150)
+    for concurrency, tps, cpu_tps, latency, p50, p99, gen, gen_cpu in rows:
         values = (
             concurrency,
             f"{tps:.0f}",
             f"{tps / base:.2f}",
             f"{latency:.3f}",
+            f"{p50:.3f}",
+            f"{p99:.3f}",
             f"{cpu_tps:.0f}",
             f"{gen:.0f}",
             f"{gen_cpu:.0f}",
         )
         print(" | ".join(str(v).rjust(len(h)) for v, h in zip(values, header, strict=True)))
-    _, tps1, cpu1, _, gen1, gen_cpu1 = rows[0]
+    _, tps1, cpu1, *_, gen1, gen_cpu1 = rows[0]
     print(f"\nserver overhead at concurrency 1, wall time: {(gen1 / tps1 - 1) * 100:+.1f}% (target <= 10%)")
     print(f"server overhead at concurrency 1, CPU time:  {(gen_cpu1 / cpu1 - 1) * 100:+.1f}%")
-    print(f"throughput at concurrency 8 vs 1: {rows[1][1] / base:.2f}x (target >= 3x)")
+    for concurrency, tps, *_, gen, _ in rows[1:]:
+        print(f"concurrency {concurrency}: {tps / base:.2f}x concurrency 1; server/generate {tps / gen:.2f}")
     return 0
 
 

@@ -220,3 +220,37 @@ def build_tiny_model(
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+# Real architectures' shapes, for measuring speed and memory without a hub download.
+MODEL_SHAPES: dict[str, dict[str, int]] = {
+    "qwen2-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                       num_key_value_heads=2, vocab_size=151936),
+}  # fmt: skip
+
+
+def build_shaped_model(
+    out_dir: str | Path, shape: str, *, seed: int = 0, max_position_embeddings: int = 32768
+) -> Path:
+    """A randomly initialised Qwen2 of a real architecture's shape (`MODEL_SHAPES`), with the
+    tiny tokenizer: the same compute and memory per token as the real model, for benchmarks
+    only (it samples noise; ids past the tokenizer's vocabulary decode to nothing)."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    if shape not in MODEL_SHAPES:
+        raise ValueError(f"unknown model shape {shape!r}: known are {', '.join(sorted(MODEL_SHAPES))}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(default_corpus(seed))
+    eos_id, pad_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN), tokenizer.convert_tokens_to_ids(PAD_TOKEN)
+    config = Qwen2Config(
+        **MODEL_SHAPES[shape], max_position_embeddings=max_position_embeddings, tie_word_embeddings=True,
+        bos_token_id=None, eos_token_id=eos_id, pad_token_id=pad_id, use_sliding_window=False,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).to(torch.float32)
+    model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
