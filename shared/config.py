@@ -131,6 +131,9 @@ class RunnerSection(Section):
     """Model name -> base URL of models recorded but never trained (judges, opponents)."""
     train_agents: list[str] = []
     """Named agents whose calls train (empty: all agents). With `seats` set, each must be a seat."""
+    train_agents_check_after: int = Field(20, ge=0)
+    """Finished attempts with calls (per runner) after which a `train_agents` name that no call
+    came from is reported, once per run, in the logs, `squall status` and the dashboard (0: never)."""
     seats: list[str] = []
     """The named agents of a multi-agent task (its seats). Empty: any agent name is accepted;
     set: a call from another name is refused (a typo fails loudly), and seats can be given

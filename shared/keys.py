@@ -125,6 +125,11 @@ class Keys:
         return self.key_for("versions")
 
     @property
+    def warnings(self) -> str:
+        """Hash: `<kind>:<subject>` -> a RunWarning as JSON (shared.runwarnings), once per run."""
+        return self.key_for("warnings")
+
+    @property
     def rewards(self) -> str:
         """Stream of (version, mode, mean reward) points for the reward curve, capped."""
         return self.key_for("rewards")

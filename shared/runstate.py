@@ -12,7 +12,8 @@ Parts of the snapshot, each read by one function below:
 - versions: the `versions` hash (`trainer`, `inference:<node>`) and each node's distance behind;
 - rewards: `schemas.RewardPoint` messages of stream `rewards`, split into train and val;
 - metrics: trainer `schemas.Metrics` messages as one (step, value) series per name;
-- recent dead letters and events; the scheduler's cursor and its open groups.
+- recent dead letters and events; the scheduler's cursor and its open groups;
+- warnings: the run's `warnings` hash (shared.runwarnings), each raised once per run.
 
 A malformed entry (a reward or metrics entry that does not decode, a heartbeat that is not
 JSON) is skipped and counted in `skipped`, never an error: a view must keep showing the rest.
@@ -32,6 +33,7 @@ import redis
 from . import schemas
 from .heartbeat import is_alive, read_heartbeats
 from .keys import Keys
+from .runwarnings import RunWarning, read_warnings
 
 CURVE_POINTS = 2000  # newest entries of `rewards` and `metrics` a snapshot reads by default
 RECENT = 8  # dead letters and events a snapshot lists
@@ -171,6 +173,7 @@ class RunSnapshot:
     scheduler: dict[str, str]  # the scheduler's cursor hash (epoch, samples, paused...)
     open_groups: int  # fields of the `groups` hash
     skipped: dict[str, int] = field(default_factory=dict)  # part -> malformed entries left out
+    warnings: list[RunWarning] = field(default_factory=list)  # oldest first
 
     @property
     def groups(self) -> list[GroupState]:
@@ -333,5 +336,6 @@ def read_snapshot(
         events=read_events(r, keys, recent),
         scheduler={_text(k): _text(v) for k, v in r.hgetall(keys.scheduler_state).items()},  # type: ignore[union-attr]
         open_groups=int(r.hlen(keys.groups)),  # type: ignore[arg-type]
+        warnings=read_warnings(r, keys, skipped),
         skipped=skipped,
     )

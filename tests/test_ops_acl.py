@@ -25,6 +25,7 @@ from squall.shared.keys import GROUP_RUNNERS, GROUP_SCHEDULER, GROUP_TRAINER, Ke
 from squall.shared.ledger import Ledger
 from squall.shared.localredis import find_server_binary, free_port
 from squall.shared.redisconn import connect, redact
+from squall.shared.runwarnings import RunWarning, raise_once
 
 pytestmark = pytest.mark.redis
 
@@ -218,6 +219,7 @@ def test_runner_can_do_its_job(users):
     r.hdel(K.heartbeats, "runner:a")
     r.hget(K.versions, "trainer")
     r.xrevrange(K.control, count=1)
+    assert raise_once(r, K, RunWarning("train_agent_unused", "solver", "no call", 1.0, "runner:a"))
     bus.publish(r, K.events, schemas.Event(run=RUN, service="runner", name="stopped"))
     assert users["admin"].xlen(K.trajectories) == 4
 
@@ -287,8 +289,10 @@ def test_inference_can_do_its_job(users):
 def test_monitor_reads_the_whole_run(users):
     _scheduler_dispatches(users["scheduler"])
     users["trainer"].hset(K.versions, "trainer", 3)
+    raise_once(users["runner"], K, RunWarning("train_agent_unused", "solver", "no call", 1.0, "runner:a"))
     state = snapshot(users["monitor"], K)  # exactly what the dashboard and /metrics read
     assert state["ledger"]["dispatched"] == 4 and state["versions"]["trainer"] == 3
+    assert [w["subject"] for w in state["warnings"]] == ["solver"]
     assert {(g["stream"], g["group"]) for g in state["groups"]} >= {
         ("tasks", "runners"),
         ("trajectories", "trainer"),

@@ -182,6 +182,7 @@ MATRIX: dict[str, tuple[Grant, ...]] = {
         Grant(SCRIPT, ("tasks", "trajectories", "attempts", "ledger"), write=True),
         Grant(HASH_READ, ("versions",), write=False),
         Grant(STREAM_READ, ("control",), write=False),
+        Grant(("hsetnx",), ("warnings",), write=True),  # a train_agents entry never called (runwarnings)
     ),
     # Consumes `trajectories` in group `trainer`, moves attempts to trained/filtered,
     # publishes weights and metrics and its own version.

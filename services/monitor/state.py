@@ -87,6 +87,7 @@ def render(snap: runstate.RunSnapshot) -> dict[str, Any]:
         "deadletters": [{"entry": d.entry, **d.fields} for d in snap.deadletters],
         "events": _events(snap),
         "skipped": snap.skipped,
+        "warnings": [w.fields() for w in snap.warnings],
     }
 
 

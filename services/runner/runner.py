@@ -12,6 +12,8 @@ Parts (wired here):
                (built from shared.ledger's move function and table). So an attempt produces
                exactly one trajectory even across kills and reclaims;
 - `agents`     the agent contract and the reward; `gateway` the local LLM endpoint;
+- `trainwatch` a `train_agents` entry no call uses is recorded once per run (shared.runwarnings)
+               and logged by the runner whose record went in;
 - heartbeat    `runner:<id>` in Keys.heartbeats every `heartbeat_s` (shared.heartbeat).
 An entry delivered more than `max_deliveries` times (runners kept dying on it) finishes as
 failed without running; the scheduler then retries or dead-letters it.
@@ -46,9 +48,11 @@ from squall.shared.keys import GROUP_RUNNERS, Keys
 from squall.shared.ledger import FINISH_BY_STATUS, Ledger, lua_move_function, lua_sources
 from squall.shared.logs import get_logger
 from squall.shared.retry import REDIS_ERRORS, RedisOutage
+from squall.shared.runwarnings import TRAIN_AGENT_UNUSED, RunWarning, raise_once
 
 from .agents import LLM, CommandAgent, PythonAgent, load_callable, resolve_reward
 from .gateway import Gateway
+from .trainwatch import TrainAgentsWatch
 
 READ_BLOCK_MS = 1000  # longest XREADGROUP block: how soon the fetch loop notices a stop
 REDIS_RETRY_S = 1.0  # pause of a loop after a Redis command error (not an outage) before it retries
@@ -115,6 +119,7 @@ class Runner:
         self._outage_wait: asyncio.Future | None = None  # the one wait every loop shares
         self.fatal: RedisUnavailable | None = None  # Redis stayed away past the deadline
         self.seen_version = -1  # newest weight version seen in a trajectory's turns
+        self.train_watch = TrainAgentsWatch(self.section.train_agents, self.section.train_agents_check_after)
         self.running: dict[str, Running] = {}  # entry id -> attempt
         self.stopping = asyncio.Event()
         self.counts = {
@@ -353,6 +358,21 @@ class Runner:
             self.metrics.deadlettered.labels(source="tasks").inc(dead)
             self._dead_seen += dead
 
+    async def _warn_unused_train_agents(self, turns: list[schemas.Turn]) -> None:
+        """Record a `train_agents` entry that no call used, once per run; the runner whose record
+        went in logs it (a Redis that refuses the record still gets it logged here)."""
+        for name in self.train_watch.observe(turns):
+            warning = RunWarning(TRAIN_AGENT_UNUSED, name, self.train_watch.message(name),
+                                 time.time(), f"runner:{self.id}")  # fmt: skip
+            try:
+                first = await self._call("warnings", raise_once, self.r, self.keys, warning)
+            except redis.RedisError as exc:
+                first = True
+                self.log.warning("warning_not_recorded", error=str(exc))
+            if first:
+                self.log.warning("train_agent_unused", agent=name, attempts=self.train_watch.attempts,
+                                 message=warning.message)  # fmt: skip
+
     def _trajectory(self, task: schemas.Task, status: str, **fields: Any) -> schemas.Trajectory:
         return schemas.Trajectory(
             run=task.run,
@@ -392,6 +412,7 @@ class Runner:
             return
         self.counts[trajectory.status] = self.counts.get(trajectory.status, 0) + 1
         self._observe(trajectory, taken)
+        await self._warn_unused_train_agents(trajectory.turns)
         level = self.log.info if trajectory.status == "ok" else self.log.warning
         level("attempt_finished", task_id=trajectory.task_id, attempt=trajectory.attempt, status=trajectory.status,
               reward=trajectory.reward, turns=len(trajectory.turns), error=trajectory.error,

@@ -71,12 +71,14 @@ def collect(r: Any, run: str, rewards: int = 10) -> dict[str, Any]:
         "scheduler": snap.scheduler,
         "rewards": _rewards(snap, rewards),
         "skipped": snap.skipped,
+        "warnings": [w.fields() for w in snap.warnings],
         "tools": pool_summary(r, run),
     }
 
 
 def render(status: dict[str, Any]) -> str:
     lines = [f"run {status['run']}"]
+    lines += [f"WARNING    {w['message']}" for w in status.get("warnings", [])]
     ledger = status["ledger"]
     check = "OK" if ledger["balanced"] else "MISMATCH"
     states = "  ".join(f"{k}={v}" for k, v in sorted(ledger["states"].items()))
