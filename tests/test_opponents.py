@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -197,7 +198,7 @@ def test_a_pin_that_cannot_be_served_refuses_to_start(tiny_dir, weights, r, redi
     with pytest.raises(RuntimeError, match=r"inference.pin_version: version 7 was never published .*1\.\.1"):
         node.start()
     publisher.publish(2, 2, weights[2])
-    (tmp_path / "weights" / "v000002" / "model.safetensors").unlink()
+    shutil.rmtree(tmp_path / "weights" / "v000002")
     node = snapshot_node(tiny_dir, redis_url, run_name, "gone", pin_version=2)
     with pytest.raises(RuntimeError, match="inference.pin_version: version 2 cannot be loaded"):
         node.start()

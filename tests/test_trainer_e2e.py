@@ -148,7 +148,7 @@ def test_kill9_resume_trains_every_key_exactly_once(tmp_path, r, redis_url, run_
     )
     assert r.xpending(keys.trajectories, GROUP_TRAINER)["pending"] == 0  # all acked
     assert int(r.hget(keys.versions, "trainer")) == 9
-    assert (run_dir / "weights" / "v000009" / "model.safetensors").exists()
+    assert (run_dir / "weights" / "v000009" / "model.safetensors.index.json").exists()
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     # metrics are written after the commit: a kill in between may lose that step's line
     assert (

@@ -109,4 +109,4 @@ def test_resume_after_crash_between_checkpoint_and_acks(tmp_path, r, redis_url, 
     log = [json.loads(x) for x in (tmp_path / "run" / "trained.jsonl").read_text().splitlines()]
     assert [(x["step"], sorted(x["keys"])) for x in log] == [(1, sorted(t.key for t in group))]
     assert int(r.hget(keys.versions, "trainer")) == 1
-    assert (tmp_path / "run" / "weights" / "v000001" / "model.safetensors").exists()
+    assert (tmp_path / "run" / "weights" / "v000001" / "model.safetensors.index.json").exists()

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from squall.shared.config import load_config
 from squall.shared.keys import Keys
 from squall.shared.schemas import Trajectory, Turn, WeightVersion, decode, pack_logprobs, pack_tokens
-from squall.shared.weightfiles import sha256_file
+from squall.shared.weightfiles import INDEX_FILE, sha256_file, shard_name
 from squall.trainer.backend import make_backend
 from squall.trainer.checkpoint import CheckpointStore, TrainerState
 from squall.trainer.publish import Publisher
@@ -142,8 +142,10 @@ def test_publish_and_prune_only_acknowledged_versions(tmp_path, r, run_name):
         message = pub.publish(version, version, state)
     _, fields = r.xrevrange(keys.weights, count=1)[0]
     announced = decode(fields[b"m"], WeightVersion)
-    assert announced.version == 3 and announced.checksum == sha256_file(Path(announced.location))
-    assert torch.equal(load_file(announced.location)["w"], state["w"]) and message == announced
+    # The sharded layout (a tiny state: one shard); the checksum is the index's.
+    assert announced.version == 3 and announced.checksum == sha256_file(Path(announced.location) / INDEX_FILE)
+    assert torch.equal(load_file(Path(announced.location) / shard_name(1, 1))["w"], state["w"])
+    assert message == announced
     assert int(r.hget(keys.versions, "trainer")) == 3
     r.hset(keys.versions, mapping={"inference:a": 2, "inference:b": 1})
     assert pub.prune() == [0]  # node b still serves 1
@@ -152,10 +154,8 @@ def test_publish_and_prune_only_acknowledged_versions(tmp_path, r, run_name):
     r.hset(keys.versions, "inference:a", 3)
     assert pub.prune() == [2]  # keep_versions=1 keeps 3
     assert pub.on_disk() == [3]
-    assert not list((tmp_path / "weights" / "v000003").glob(".*tmp*"))
-    assert np.isfinite(
-        load_file(str(tmp_path / "weights" / "v000003" / "model.safetensors"))["w"].numpy()
-    ).all()
+    assert not list((tmp_path / "weights").glob(".*tmp*"))
+    assert np.isfinite(load_file(str(tmp_path / "weights" / "v000003" / shard_name(1, 1)))["w"].numpy()).all()
 
 
 @pytest.mark.slow

@@ -2,8 +2,9 @@
 model folder, which `AutoModelForCausalLM.from_pretrained(OUT)` and `squall inference --model OUT` load.
 
 OUT gets the base model's files from model.path (config, generation config, tokenizer and
-chat template, any custom code) and the version's weights, `{run.dir}/weights/v{N:06d}/
-model.safetensors` as the trainer published it, as OUT/model.safetensors. The weights must
+chat template, any custom code) and the version's weights as the trainer published them
+(`{run.dir}/weights/v{N:06d}/`: its shards, checked against their index, or its one
+model.safetensors), as OUT/model.safetensors. The weights must
 name exactly the base model's tensors; a tied `lm_head.weight` (the trainer writes it as a
 copy of the embeddings) is left out, as `save_pretrained` does. config.json's dtype is set to
 the weights' dtype, so `dtype="auto"` loads what was trained. The folder is built under a
@@ -70,12 +71,17 @@ def has_chat_template(folder: Path) -> bool:
 
 def version_file(run_dir: str, version: int) -> Path:
     """The weights of `version` in the run folder; WeightsError listing those on disk when absent."""
-    from squall.shared.weightfiles import version_dir
+    from squall.shared.weightfiles import INDEX_FILE, version_dir
 
-    path = version_dir(run_dir, version) / WEIGHTS_FILE
+    folder = version_dir(run_dir, version)
+    if (folder / INDEX_FILE).exists():  # the sharded layout: the folder is the weights
+        return folder
+    path = folder / WEIGHTS_FILE
     if not path.exists():
         root = Path(run_dir) / "weights"
-        have = sorted(p.name for p in root.glob("v*") if (p / WEIGHTS_FILE).exists()) if root.is_dir() else []
+        have = sorted(
+            p.name for p in root.glob("v*") if (p / WEIGHTS_FILE).exists() or (p / INDEX_FILE).exists()
+        ) if root.is_dir() else []  # fmt: skip
         raise WeightsError(
             f"no weights for version {version} at {path}; on disk: {', '.join(have) or 'none'} "
             "(the trainer keeps only the newest trainer.keep_versions; check --run / run.dir)"
@@ -117,6 +123,23 @@ def _check_names(weights: dict[str, Any], base: set[str], tied: bool, source: Pa
     return weights
 
 
+def _read_weights(weights: Path) -> dict[str, Any]:
+    """The state dict in a safetensors file, or in a sharded version's folder (every shard
+    checked against the index's sha256)."""
+    from safetensors.torch import load_file
+
+    if weights.is_dir():
+        from squall.inference.shardload import iter_shards
+        from squall.shared.weightfiles import read_index
+
+        index = read_index(weights)
+        return {name: tensor for shard in iter_shards(weights, index) for name, tensor in shard.items()}
+    try:
+        return load_file(str(weights))
+    except Exception as exc:  # safetensors raises several types for a bad file
+        raise WeightsError(f"{weights} is not a readable safetensors file: {exc}") from None
+
+
 def export(
     model_dir: str,
     weights: Path,
@@ -126,7 +149,7 @@ def export(
     provenance: dict[str, Any] | None = None,
 ) -> Path:
     """Write base model files + `weights` into `out` (see the module docstring); returns `out`."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     base_dir, out = Path(model_dir), Path(out)
     if not model_dir or not (base_dir / "config.json").exists():
@@ -138,10 +161,7 @@ def export(
     if out.exists() and not force:
         raise ConfigError(f"{out} exists; choose another folder or pass --force to replace it")
     config = json.loads((base_dir / "config.json").read_text())
-    try:
-        state = load_file(str(weights))
-    except Exception as exc:  # safetensors raises several types for a bad file
-        raise WeightsError(f"{weights} is not a readable safetensors file: {exc}") from None
+    state = _read_weights(weights)
     state = _check_names(
         state, set(_base_tensors(base_dir)), bool(config.get("tie_word_embeddings")), weights
     )
