@@ -230,6 +230,13 @@ class TrainerSection(Section):
     """Deadline for a group's missing members after its first arrived."""
     keep_versions: int = Field(2, ge=1)
     """Weight versions kept on disk beyond those some node still serves."""
+    weights_format: Literal["safetensors-sharded", "safetensors"] = "safetensors-sharded"
+    """How each version is written: Hugging Face shards + index, written and checksummed in
+    parallel, or one model.safetensors (what earlier squall wrote; inference reads both)."""
+    weights_shard_mb: int = Field(512, ge=1)
+    """Largest shard of a sharded version, MiB (a bigger tensor gets a shard of its own)."""
+    weights_write_threads: int = Field(4, ge=1)
+    """Shards serialised, hashed and written at once."""
     max_seq_len: int = Field(8192, ge=16)
     """Trajectories whose merged sequence is longer are filtered as overlong (unless overlong=keep)."""
     max_turn_tokens: int = Field(0, ge=0)

@@ -179,8 +179,8 @@ class WeightVersion(Message, kw_only=True, tag="weights"):
     version: int  # monotonically increasing; 0 is the initial model
     step: int  # trainer optimizer steps behind this version
     location: str  # path (or URL) of the safetensors file or directory
-    checksum: str  # sha256 hex of the file at `location`
-    format: str = "safetensors"  # safetensors (full state dict)
+    checksum: str  # sha256 hex of the file at `location` (sharded: of the folder's index file)
+    format: str = "safetensors"  # safetensors (one file) | safetensors-sharded (shared.weightfiles)
     created_at: float = msgspec.field(default_factory=time.time)
 
 

