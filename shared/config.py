@@ -99,7 +99,12 @@ class SchedulerSection(Section):
     has consumed it (ledger trained/filtered/late), not only until its rollouts finished; this
     is what keeps rollouts from outrunning a slow trainer. Turn off for rollout-only runs."""
     val_at_end: bool = True
-    """When the training data runs out, validate the newest version once more before finishing."""
+    """When the training data runs out, validate once more, on the trainer's last version (the
+    one it publishes after training what it still held), before finishing."""
+    end_wait_s: float = Field(600.0, gt=0)
+    """When the data has run out, how long to wait for the trainer to train what it holds and
+    publish its last version (shared/dataend.py); past it, the end-of-run validation measures
+    the newest published version and the run's events say it may not be the last."""
     val_group_size: int = Field(1, ge=1, le=1024)
     """Attempts per validation sample (their mean is the sample's score)."""
     metrics_host: str = "127.0.0.1"
@@ -246,12 +251,40 @@ class TrainerSection(Section):
     """At most this many trained turns per trajectory, chosen by a sampling seeded with the run
     seed and the attempt key (the same on every replay); the rest are not trained; 0: no cap.
     Counted as capped:turns. A trajectory left with no trained turn is filtered:no_turns_in_cap."""
+    lora_rank: int = Field(0, ge=0, le=512)
+    """LoRA rank (0: train every weight). With a rank, only low-rank adapters on
+    `lora_target_modules` train (peft), checkpoints hold the adapters and their optimizer state,
+    and each version is published as the adapter alone (format "lora", peft's layout, whatever
+    `weights_format` says); inference nodes apply it to the base model `model.path`. torch backend."""
+    lora_alpha: float = Field(32.0, gt=0)
+    """LoRA scale numerator: an adapter adds (lora_alpha / lora_rank) * B @ A to its layer."""
+    lora_dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input while training (not applied at inference)."""
+    lora_target_modules: list[str] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], min_length=1
+    )
+    """Linear layers given adapters, by the last part of their module name (Qwen/Llama names:
+    the attention and MLP projections). A name the model lacks stops the trainer, listing the
+    linear layers it has."""
     consumer: str = Field("trainer", min_length=1)
     """Stable consumer name on `trajectories`: a restart re-reads its own unacked entries."""
     metrics_host: str = "127.0.0.1"
     """Where the trainer's /health, /ready and /metrics (step, version, tokens/s) listen."""
     metrics_port: int = Field(0, ge=0, le=65535)
     """Port of the trainer's /health and /metrics (0: any free port; the heartbeat names it)."""
+    collective_timeout_s: float = Field(600.0, gt=0)
+    """With several ranks: a collective (a step's gradient reduction, a checkpoint, gathering
+    the weights) that waits longer than this raises on every rank still alive, so a rank that
+    hangs or dies takes the trainer down instead of stalling it."""
+
+    @model_validator(mode="after")
+    def _check_lora(self) -> TrainerSection:
+        if self.lora_rank and self.backend != "torch":
+            raise ValueError(
+                f"trainer.lora_rank = {self.lora_rank} needs trainer.backend = 'torch' (the "
+                f"{self.backend} backend trains every weight): set backend = 'torch' or lora_rank = 0"
+            )
+        return self
 
 
 class InferenceSection(Section):

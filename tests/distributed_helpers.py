@@ -9,12 +9,17 @@ MASTER_PORT like a torchrun child, torch with one thread, and the trainer's proc
 Return values travel back pickled (keep them small: tensors of the tiny model are fine).
 A rank that raises or dies fails the call with its rank and traceback; the whole world is
 killed past `timeout_s`.
+
+`assert_weights_close(expected, got)` compares two state dicts the way the world-size tests
+do: per tensor, ||got - expected|| <= 1e-5 ||expected|| (an element-wise tolerance would fail
+on weights near zero, where a summation order moves the last bits).
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -53,7 +58,9 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
 
         distributed.init_world("cpu", COLLECTIVE_TIMEOUT_S)
         try:
-            out.put(("ok", rank, fn(*args)))
+            # plain pickle bytes: a tensor put on the queue as is would live in this
+            # process's shared memory, gone once it exits
+            out.put(("ok", rank, pickle.dumps(fn(*args))))
         finally:
             distributed.shutdown()
     except BaseException:  # reported to the parent, which fails the test with it
@@ -90,7 +97,7 @@ def run_world(fn: Callable, *args: Any, world_size: int = 2, timeout_s: float = 
                 continue
             if status == "error":
                 raise RankFailed(f"rank {rank} raised:\n{value}")
-            results[rank] = value
+            results[rank] = pickle.loads(value)
         for proc in procs:
             proc.join(30)
     finally:
@@ -99,3 +106,14 @@ def run_world(fn: Callable, *args: Any, world_size: int = 2, timeout_s: float = 
                 proc.kill()
                 proc.join(10)
     return [results[rank] for rank in range(world_size)]
+
+
+def assert_weights_close(expected: dict[str, Any], got: dict[str, Any], rel: float = 1e-5) -> None:
+    """Same names, and every tensor within `rel` of the expected one (relative, by norm)."""
+    assert set(got) == set(expected), sorted(set(got) ^ set(expected))
+    for name, tensor in expected.items():
+        error = float((got[name].double() - tensor.double()).norm())
+        scale = float(tensor.double().norm())
+        assert error <= rel * max(scale, 1e-12), (
+            f"{name}: relative error {error / max(scale, 1e-12):.3g} > {rel}"
+        )

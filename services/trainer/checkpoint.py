@@ -1,8 +1,10 @@
 """Durable trainer checkpoints: write to a temp dir, fsync, rename; resume from the newest.
 
 A checkpoint ``{run.dir}/checkpoints/ckpt-{commit:08d}/`` holds
-- ``state.pt``: the backend's model, optimizer and RNG state (torch.save);
-- ``meta.json``: commit, step, weight version, and the *done delta* of this commit: the
+- ``state.pt``: the backend's model, optimizer and RNG state (torch.save); with several
+  ranks a folder instead: their torch.distributed.checkpoint shards and one RNG file each;
+- ``meta.json``: commit, step, weight version, the world size (ranks) that wrote it, and
+  the *done delta* of this commit: the
   trajectory keys it trained (key -> step), the keys it consumed without training (key ->
   filtered reason or 'late') and the group ids it closed.
 
@@ -134,11 +136,23 @@ class DoneLog:
         fsync_dir(self.path.parent)
 
 
-class CheckpointStore:
-    """The checkpoints folder of one run."""
+class WorldSizeMismatch(ValueError):
+    """The newest checkpoint was written by another number of ranks than this trainer has."""
 
-    def __init__(self, root: str | Path) -> None:
+    def __init__(self, path: Path, written: int, now: int) -> None:
+        super().__init__(
+            f"checkpoint {path} was written by a trainer with {written} rank(s), this one has {now}: "
+            f"resume it with {written} rank(s) (squall trainer --nproc-per-node, times --nnodes, = {written}), "
+            "or start a new run.dir; sharded checkpoints are not converted between world sizes"
+        )
+
+
+class CheckpointStore:
+    """The checkpoints folder of one run, written by a trainer of `world_size` ranks."""
+
+    def __init__(self, root: str | Path, world_size: int = 1) -> None:
         self.root = Path(root)
+        self.world_size = world_size
         self.root.mkdir(parents=True, exist_ok=True)
         for leftover in self.root.glob(".tmp-*"):
             shutil.rmtree(leftover, ignore_errors=True)
@@ -161,9 +175,12 @@ class CheckpointStore:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         write_backend_state(tmp / "state.pt")
-        (tmp / "meta.json").write_text(json.dumps(state.meta(delta)))
-        for path in tmp.iterdir():
-            fsync_file(path)
+        (tmp / "meta.json").write_text(json.dumps({**state.meta(delta), "world_size": self.world_size}))
+        for path in tmp.iterdir():  # a sharded state is a folder its writers fsynced
+            if path.is_dir():
+                fsync_dir(path)
+            else:
+                fsync_file(path)
         fsync_dir(tmp)
         if final.exists():  # a crash after rename but before we recorded the commit: same content
             shutil.rmtree(final)
@@ -176,7 +193,7 @@ class CheckpointStore:
 
     def latest(self) -> tuple[TrainerState, Path] | None:
         """The newest readable checkpoint's state (with the whole done set) and folder, or
-        None for a fresh run."""
+        None for a fresh run. WorldSizeMismatch when another number of ranks wrote it."""
         for path in reversed(self.list()):
             try:
                 meta = json.loads((path / "meta.json").read_text())
@@ -184,6 +201,9 @@ class CheckpointStore:
                 state = TrainerState(commit=commit, step=int(meta["step"]), version=int(meta["version"]))
             except (OSError, ValueError, KeyError):
                 continue
+            written = int(meta.get("world_size", 1))  # older checkpoints: one process
+            if written != self.world_size and (path / "state.pt").exists():
+                raise WorldSizeMismatch(path, written, self.world_size)
             if (path / "state.pt").exists():
                 self._replay_log(state, delta)
                 return state, path

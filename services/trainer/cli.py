@@ -1,4 +1,8 @@
-"""`squall trainer --config RUN [--backend torch|verl]`: trajectories -> GRPO steps -> weights."""
+"""`squall trainer --config RUN [--backend torch|verl]`: trajectories -> GRPO steps -> weights.
+
+`--nproc-per-node N` (and, across machines, `--nnodes M --node-rank K --rdzv-endpoint
+HOST:PORT`) starts N ranks per node through torchrun (`python -m torch.distributed.run`),
+each running this same command without the launch options; see trainer/distributed.py."""
 
 from __future__ import annotations
 
@@ -8,6 +12,9 @@ import sys
 from squall.shared.cliargs import add_common_arguments
 
 EXIT_REDIS_UNAVAILABLE = 3  # Redis stayed down past run.redis_outage_s
+EXIT_BAD_WORLD = 2  # more ranks than GPUs, or a checkpoint written by another world size
+PASSED_ON = (("--config", "config"), ("--run", "run"), ("--redis-url", "redis_url"), ("--backend", "backend"),
+             ("--max-steps", "max_steps"))  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,9 +25,74 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-steps", type=int, help="stop after this many optimizer steps (overrides trainer.max_steps)"
     )
+    launch = parser.add_argument_group("several ranks (torchrun: FSDP-sharded data parallel)")
+    launch.add_argument("--nproc-per-node", type=int, metavar="N", help="ranks on this machine (one per GPU)")
+    launch.add_argument("--nnodes", type=int, default=1, metavar="M", help="machines in the run (default 1)")
+    launch.add_argument(
+        "--node-rank", type=int, metavar="K", help="this machine's index, 0..M-1 (0 owns the bus)"
+    )
+    launch.add_argument(
+        "--rdzv-endpoint",
+        metavar="HOST:PORT",
+        help="node 0's address and a free port, the same on every node",
+    )
+
+
+def torchrun_command(args: argparse.Namespace) -> list[str]:
+    """The torchrun command line that starts this node's ranks, each running `squall trainer`
+    with the same options minus the launch ones. WorldSizeError names a missing launch option."""
+    from .distributed import WorldSizeError
+
+    if args.nproc_per_node < 1 or args.nnodes < 1:
+        raise WorldSizeError("--nproc-per-node and --nnodes must be at least 1")
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc_per_node}"]
+    if args.nnodes == 1:
+        command.append("--standalone")  # a private rendezvous on a free local port
+    else:
+        if args.node_rank is None or not args.rdzv_endpoint:
+            raise WorldSizeError(
+                f"--nnodes {args.nnodes} needs --node-rank (0..{args.nnodes - 1}, this machine's index) and "
+                "--rdzv-endpoint HOST:PORT (node 0's address, the same on every node)"
+            )
+        # static rendezvous: node 0 holds global rank 0, the rank that owns the bus
+        command += [f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}", "--rdzv-backend=static",
+                    f"--rdzv-endpoint={args.rdzv_endpoint}"]  # fmt: skip
+    command += ["-m", "squall.cli", "trainer"]
+    for flag, dest in PASSED_ON:
+        if getattr(args, dest, None) is not None:
+            command += [flag, str(getattr(args, dest))]
+    return command
+
+
+def launch(args: argparse.Namespace) -> int:
+    """Start this node's ranks through torchrun and wait for them (its exit code)."""
+    import subprocess
+
+    from squall.shared.cliargs import config_from_args
+
+    from .distributed import check_devices
+
+    config = config_from_args(args, trainer={"backend": args.backend, "max_steps": args.max_steps})
+    check_devices(config.trainer.device, args.nproc_per_node)
+    return subprocess.call(torchrun_command(args))
 
 
 def main(args: argparse.Namespace) -> int:
+    from .checkpoint import WorldSizeMismatch
+    from .distributed import WorldSizeError
+
+    try:
+        if args.nproc_per_node is not None or args.nnodes > 1:
+            if args.nproc_per_node is None:
+                raise WorldSizeError("--nnodes needs --nproc-per-node (ranks on each machine)")
+            return launch(args)
+        return run_rank(args)
+    except (WorldSizeMismatch, WorldSizeError) as exc:
+        print(f"squall trainer: {exc}", file=sys.stderr)
+        return EXIT_BAD_WORLD
+
+
+def run_rank(args: argparse.Namespace) -> int:
     from squall.shared.cliargs import config_from_args
     from squall.shared.logs import configure_logging
 

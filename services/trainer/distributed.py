@@ -157,7 +157,58 @@ def shard_model(model: torch.nn.Module) -> torch.nn.Module:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
     return model
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded state dict, gathered to rank 0's CPU (the other ranks get {}): the
+    weights published to inference. Every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def rng_file(path: Path, world: World) -> Path:
+    return path / f"rng-{world.rank:05d}.pt"
+
+
+def save_sharded(
+    path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rng: dict[str, Any], world: World
+) -> None:
+    """Model and optimizer shards (torch.distributed.checkpoint, files fsynced) and this rank's
+    RNG into the folder `path`; returns once every rank's part is durable (a barrier), so
+    rank 0 may then write the checkpoint's meta and ack what it lists."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    path.mkdir(parents=True, exist_ok=True)
+    with open(rng_file(path, world), "wb") as handle:
+        torch.save(rng, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save(
+        {"model": model_state, "optimizer": optimizer_state},
+        storage_writer=dcp.FileSystemWriter(path, sync_files=True),
+    )
+    barrier()
+
+
+def load_sharded(
+    path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World
+) -> dict[str, Any]:
+    """Read what save_sharded wrote into the sharded model and optimizer; this rank's RNG."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    if not rng_file(path, world).exists():
+        raise WorldSizeError(f"{path} has no state for rank {world.rank}: it was written by fewer ranks")
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    return torch.load(rng_file(path, world), weights_only=False)
 
 
 def share_of(batches: Sequence[list[int]], world: World) -> list[list[int] | None]:

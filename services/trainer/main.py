@@ -15,6 +15,8 @@ Parts (one module each, wired here and nowhere else):
 - publish.Publisher         safetensors + WeightVersion, pruning acknowledged versions
 - ops.health                /health, /ready (model loaded, not stopping), /metrics: the
                             standard squall metrics (step, version, trained tokens, tokens/s)
+- distributed               with several ranks: rank 0 runs this Trainer, the others
+                            `follow` it (each backend call rank 0 makes, they make too)
 Exactly-once: an entry is acked only after the checkpoint listing its key is durable; on
 resume the consumer re-reads its own pending entries and skips keys in the done set.
 Redis outage: the loop's unit of work is retried after `RedisOutage.wait`, recovering as a
@@ -26,8 +28,10 @@ while the model is still loading stops it right after loading, before any work).
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -37,7 +41,7 @@ import numpy as np
 import orjson
 
 from squall.ops.metrics import standard_metrics
-from squall.shared import bus, schemas
+from squall.shared import bus, dataend, schemas
 from squall.shared.config import RunConfig
 from squall.shared.heartbeat import HeartbeatWriter
 from squall.shared.keys import EVENTS_MAXLEN, GROUP_TRAINER, METRICS_MAXLEN, Keys
@@ -46,6 +50,7 @@ from squall.shared.logs import get_logger
 from squall.shared.redisconn import connect
 from squall.shared.retry import REDIS_ERRORS, RedisOutage
 
+from . import distributed
 from .backend import TrainerBackend, make_backend
 from .bookkeeping import Bookkeeping, Seen, ledger_moves
 from .caps import TurnCaps
@@ -63,7 +68,9 @@ TRAINED_LOG = "trained.jsonl"  # one line per durable step: {"step", "version", 
 
 
 class Trainer:
-    def __init__(self, config: RunConfig, backend: str | None = None) -> None:
+    def __init__(
+        self, config: RunConfig, backend: str | None = None, leader: distributed.Leader | None = None
+    ) -> None:
         self.config, self.cfg = config, config.trainer
         self.keys = Keys(config.run.name)
         self.run_dir = Path(config.run.dir)
@@ -75,11 +82,18 @@ class Trainer:
             self.r, self.keys.trajectories, GROUP_TRAINER, self.cfg.consumer,
             kind=schemas.Trajectory, deadletter_stream=self.keys.deadletter,
         )  # fmt: skip
-        self.store = CheckpointStore(self.run_dir / "checkpoints")
+        self.leader = leader  # rank 0 of several: the other ranks make every backend call with us
+        self.store = CheckpointStore(self.run_dir / "checkpoints", leader.world.world_size if leader else 1)
+        latest = self.store.latest()  # a checkpoint of another world size fails here, before the model loads
         self.backend: TrainerBackend = make_backend(backend or self.cfg.backend, config)
-        self.publisher = Publisher(self.r, self.keys, self.run_dir, keep_versions=self.cfg.keep_versions)
+        if leader is not None:
+            self.backend = distributed.LeaderBackend(self.backend, leader)
+        self.publisher = Publisher(
+            self.r, self.keys, self.run_dir, keep_versions=self.cfg.keep_versions,
+            weights_format=self.cfg.weights_format, shard_bytes=self.cfg.weights_shard_mb << 20,
+            write_threads=self.cfg.weights_write_threads, adapter_config=self.backend.adapter_config(),
+        )  # fmt: skip
         self.state = TrainerState()
-        latest = self.store.latest()
         if latest is not None:
             self.state, path = latest
             self.backend.load_state(path / "state.pt")
@@ -143,19 +157,44 @@ class Trainer:
     def _work_once(self) -> None:
         """One read, the groups it completes, and a step when enough are ready."""
         self._heartbeat()
+        if self.leader is not None:
+            self.leader.idle()  # the other ranks wait for our next command with a deadline
         deadline = self.books.assembler.next_deadline_s()
         block_ms = READ_BLOCK_MS if deadline is None else max(1, min(READ_BLOCK_MS, int(deadline * 1000)))
+        end = dataend.read(self.r, self.keys)  # before the read: see _train_the_rest
         deliveries = self.consumer.read(READ_COUNT, block_ms=block_ms)
         self._handle(deliveries)
         self.books.collect(self._decide)
         decisions = self.books.take_ready(self.cfg.groups_per_step)
         if decisions:
             self._step(decisions)
+        elif not deliveries and end.owed_by_trainer:
+            self._train_the_rest()
         elif not deliveries and self.books.uncommitted():
             # The stream went quiet with filtered groups uncommitted: commit them now. The
             # scheduler holds a group until the trainer has consumed it, so waiting for the
             # next step could wait forever (all in-flight groups held).
             self._commit(bump=False)
+
+    def _train_the_rest(self) -> None:
+        """The end of the data (shared/dataend): the scheduler said no training group is coming
+        before a read that returned nothing, so every training trajectory has been read. What is
+        held trains now as a last, smaller step (the loss is normalised per step), groups still
+        open close without their missing members, the last version is published, and the
+        scheduler is told which one it is (it validates that version)."""
+        self.books.collect(self._decide, now=math.inf)  # nothing more can join an open group
+        while self.books.ready:
+            take = min(len(self.books.ready), self.cfg.groups_per_step)
+            self._step(self.books.take_ready(take), last=take == len(self.books.ready))
+        self._flush()
+        newest = self.r.xrevrange(self.keys.weights, count=1)
+        published_step = schemas.decode(newest[0][1][schemas.ENTRY_FIELD], schemas.WeightVersion).step if newest else -1
+        if published_step < self.state.step:  # steps since the last publication (publish_every > 1)
+            self._commit(bump=True)
+            self.publisher.publish(self.state.version, self.state.step, self.backend.weights())
+        dataend.announce_trained(self.r, self.keys, self.state.version, self.state.step)
+        self._event("data_trained", version=self.state.version, step=self.state.step)
+        self.log.info("data_trained", version=self.state.version, step=self.state.step)
 
     def _flush(self) -> None:
         if self.books.uncommitted():  # filtered/late work seen since the last step
@@ -164,6 +203,9 @@ class Trainer:
     def _stopped(self) -> None:
         try:
             self._event("stopped", step=self.state.step, version=self.state.version)
+            if sys.exc_info()[0] is None:  # a clean exit (not an error on its way out): say so
+                self.heartbeat.stop(version=self.state.version, step=self.state.step,
+                                    open_groups=len(self.books.assembler.open), ready_groups=len(self.books.ready))  # fmt: skip
         except REDIS_ERRORS:
             pass  # exiting because Redis is gone: the log line below still says so
         self.log.info("trainer_stopped", step=self.state.step, version=self.state.version,
@@ -225,7 +267,7 @@ class Trainer:
         return decision
 
     # --- one step ------------------------------------------------------------
-    def _step(self, decisions: list[GroupDecision]) -> None:
+    def _step(self, decisions: list[GroupDecision], *, last: bool = False) -> None:
         wait_s = time.perf_counter() - self.wait_started
         samples, stats = self._samples(decisions)
         train_start = time.perf_counter()
@@ -235,7 +277,7 @@ class Trainer:
             self.state.step += 1
         train_s = time.perf_counter() - train_start
         publish_start = time.perf_counter()
-        bump = bool(samples) and self.state.step % self.cfg.publish_every == 0
+        bump = bool(samples) and (last or self.state.step % self.cfg.publish_every == 0)
         counts = self._commit(bump=bump)
         if bump:
             self.publisher.publish(self.state.version, self.state.step, self.backend.weights())
@@ -388,6 +430,52 @@ class Trainer:
 
 
 def run(config: RunConfig, backend: str | None = None) -> int:
+    """One process: the Trainer (below). Several ranks (torchrun, or a Ray Train worker whose
+    group is set up already): rank 0 runs the Trainer, the others follow it; whatever ends
+    rank 0 (max_steps, SIGTERM, an error) is sent to them as a stop, and every rank leaves
+    the process group."""
+    world = distributed.init_world(config.trainer.device, config.trainer.collective_timeout_s)
+    if not world.distributed:
+        return run_trainer(config, backend)
+    # Commands wait out rank 0's longest solo work: publishing, or riding out a Redis outage.
+    group = distributed.control_group(config.trainer.collective_timeout_s + config.run.redis_outage_s)
+    try:
+        if not world.is_main:
+            return _follow(config, backend, world, group)
+        leader, ok = distributed.Leader(world, group), False
+        try:
+            code = run_trainer(config, backend, leader)
+            ok = code == 0
+            return code
+        finally:
+            _stop_followers(leader, ok)
+    finally:
+        distributed.shutdown()
+
+
+def _follow(config: RunConfig, backend: str | None, world: distributed.World, group: Any) -> int:
+    log = get_logger(service="trainer", run=config.run.name)
+    # torchrun passes a SIGTERM to every rank; only rank 0 decides when to stop (after the
+    # step and its checkpoint, which need us), so a follower waits for rank 0's stop.
+    signal.signal(signal.SIGTERM, lambda *_: log.info("rank_sigterm_waits_for_rank0", rank=world.rank))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    model = make_backend(backend or config.trainer.backend, config)
+    log.info("rank_following", rank=world.rank, world_size=world.world_size)
+    code = distributed.follow(model, group)
+    log.info("rank_stopped", rank=world.rank, exit_code=code)
+    return code
+
+
+def _stop_followers(leader: distributed.Leader, ok: bool) -> None:
+    try:
+        leader.stop(ok)
+    except RuntimeError as exc:  # a rank is gone already: torchrun tears the rest down
+        get_logger(service="trainer").warning("ranks_not_stopped", error=str(exc)[:300])
+
+
+def run_trainer(
+    config: RunConfig, backend: str | None = None, leader: distributed.Leader | None = None
+) -> int:
     """Serve /health at once, build the trainer (the model loads), run until max_steps or a
     SIGTERM/SIGINT; /ready answers 200 only between the model being loaded and a stop."""
     from squall.ops.health import start_health_server
@@ -402,7 +490,7 @@ def run(config: RunConfig, backend: str | None = None) -> int:
         info=lambda: {"step": built[0].state.step, "version": built[0].state.version} if built else {"loading": True},
     )  # fmt: skip
     try:
-        trainer = Trainer(config, backend)
+        trainer = Trainer(config, backend, leader)
         trainer.metrics_port = port
         trainer.stopping = bool(early_stop)
         built.append(trainer)

@@ -1,5 +1,10 @@
-"""Native torch backend: one process, CPU or one GPU (bf16 autocast there), AdamW,
-micro-batches by token budget accumulated into one step, gradient clipping."""
+"""Native torch backend: CPU or GPUs (bf16 autocast there), AdamW, micro-batches by token
+budget accumulated into one step, gradient clipping.
+
+One process trains the model as it is. With more ranks (distributed.py) the model is
+sharded with FSDP2, every rank runs its share of the step's micro-batches, and the token
+weights still divide by the whole step's tokens, so the summed gradient, the update and the
+metrics are those of one process; checkpoints become sharded (torch.distributed.checkpoint)."""
 
 from __future__ import annotations
 
@@ -14,15 +19,12 @@ import torch
 
 from squall.shared.config import RunConfig
 
+from . import distributed, lora
 from .backend import TrainerBackend
 from .losses import ppo_tis_loss, token_entropy, token_logprobs
 from .sequences import Sample, collate, pack_microbatches, token_weights
 
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+resolve_device = distributed.resolve_device  # where it lived before (imported from here)
 
 
 class TorchBackend(TrainerBackend):
@@ -30,7 +32,8 @@ class TorchBackend(TrainerBackend):
         from transformers import AutoModelForCausalLM
 
         self.cfg = config.trainer
-        self.device = resolve_device(self.cfg.device)
+        self.world = distributed.current_world()
+        self.device = distributed.rank_device(self.cfg.device, self.world)
         torch.manual_seed(config.run.seed)
         if not config.model.path:
             raise ValueError("model.path is empty: set it to the initial policy's transformers folder")
@@ -43,12 +46,19 @@ class TorchBackend(TrainerBackend):
         self.vocab_size = int(self.model.config.vocab_size)
         pad = getattr(self.model.config, "pad_token_id", None)
         self.pad_id = int(pad) if pad is not None else 0
-        self.reference = None
-        if self.cfg.kl_coef > 0:
+        if self.cfg.lora_rank:  # only the adapters train (lora.py)
+            self.model = lora.wrap(self.model, self.cfg, config.model.path)
+        self.reference: Any = None
+        if self.cfg.kl_coef > 0 and not self.cfg.lora_rank:
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=self.cfg.lr, betas=(0.9, 0.999), weight_decay=0.0
-        )
+        if self.world.distributed:  # before the optimizer: it must hold the sharded parameters
+            distributed.shard_model(self.model)
+            if self.reference is not None:
+                distributed.shard_model(self.reference)
+        if self.cfg.kl_coef > 0 and self.cfg.lora_rank:  # the base: this model, adapters off
+            self.reference = lora.AdapterDisabled(self.model)
+        trained = [p for p in self.model.parameters() if p.requires_grad]  # all, or the adapters
+        self.optimizer = torch.optim.AdamW(trained, lr=self.cfg.lr, betas=(0.9, 0.999), weight_decay=0.0)
 
     def _forward(self, model: torch.nn.Module, arrays: dict[str, np.ndarray]) -> torch.Tensor:
         ids = torch.from_numpy(arrays["input_ids"]).to(self.device)  # (B, T)
@@ -58,63 +68,77 @@ class TorchBackend(TrainerBackend):
         return logits[:, :-1]  # (B, T-1, V): position t predicts token t+1
 
     def train_step(self, samples: Sequence[Sample]) -> dict[str, float]:
-        weights = token_weights(samples, self.cfg.loss_agg)
+        weights = token_weights(samples, self.cfg.loss_agg)  # over the whole step, on every rank
         batches = pack_microbatches([s.length for s in samples], self.cfg.max_tokens_per_microbatch)
+        mine = distributed.share_of(batches, self.world) if self.world.distributed else list(batches)
         self.optimizer.zero_grad(set_to_none=True)
-        totals = {
-            "loss": 0.0,
-            "pg_loss": 0.0,
-            "kl": 0.0,
-            "clip": 0.0,
-            "tis": 0.0,
-            "ratio": 0.0,
-            "entropy": 0.0,
-        }
-        tokens = 0
-        for indices in batches:
-            arrays = collate([samples[i] for i in indices], [weights[i] for i in indices], self.pad_id)
-            t = {
-                k: torch.from_numpy(v).to(self.device)
-                for k, v in arrays.items()
-                if k not in ("input_ids", "attention_mask")
-            }
-            logits = self._forward(self.model, arrays)
-            logp = token_logprobs(logits, t["targets"])  # (B, T-1)
-            ref_logp = None
-            if self.reference is not None:
-                with torch.no_grad():
-                    ref_logp = token_logprobs(self._forward(self.reference, arrays), t["targets"])
-            out = ppo_tis_loss(
-                logp, t["behaviour_logprobs"], t["advantages"], t["loss_mask"], t["weights"],
-                clip_low=self.cfg.clip_low, clip_high=self.cfg.clip_high, tis_cap=self.cfg.tis_cap,
-                ref_logp=ref_logp, kl_coef=self.cfg.kl_coef,
-            )  # fmt: skip
-            out.loss.backward()
-            mask = t["loss_mask"] > 0
-            entropy = token_entropy(logits.detach())[mask].sum().item() if out.tokens else 0.0
-            totals["loss"] += float(out.loss.detach())
-            totals["pg_loss"] += out.pg_loss
-            totals["kl"] += out.kl * out.tokens
-            totals["clip"] += out.clip_fraction * out.tokens
-            totals["tis"] += out.tis_fraction * out.tokens
-            totals["ratio"] += out.ratio_mean * out.tokens
-            totals["entropy"] += entropy
-            tokens += out.tokens
+        totals = dict.fromkeys(("loss", "pg_loss", "kl", "clip", "tis", "ratio", "entropy", "tokens"), 0.0)
+        for n, indices in enumerate(mine):
+            if self.world.distributed:  # reduce-scatter once, after the last micro-batch
+                self.model.set_requires_gradient_sync(n == len(mine) - 1)
+            for name, value in self._microbatch(samples, weights, indices).items():
+                totals[name] += value
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        n = max(tokens, 1)
+        if self.world.distributed:
+            totals = distributed.all_reduce_sums(totals, self.device)
+            if hasattr(grad_norm, "full_tensor"):  # a DTensor: the norm over every shard
+                grad_norm = grad_norm.full_tensor()
+        n_tokens = max(totals["tokens"], 1.0)
         return {
             "loss": totals["loss"],
             "pg_loss": totals["pg_loss"],
-            "kl": totals["kl"] / n,
-            "clip_fraction": totals["clip"] / n,
-            "tis_fraction": totals["tis"] / n,
-            "ratio_mean": totals["ratio"] / n,
-            "entropy": totals["entropy"] / n,
+            "kl": totals["kl"] / n_tokens,
+            "clip_fraction": totals["clip"] / n_tokens,
+            "tis_fraction": totals["tis"] / n_tokens,
+            "ratio_mean": totals["ratio"] / n_tokens,
+            "entropy": totals["entropy"] / n_tokens,
             "grad_norm": float(grad_norm),
-            "tokens": float(tokens),
+            "tokens": float(totals["tokens"]),
             "microbatches": float(len(batches)),
+        }
+
+    def _microbatch(
+        self, samples: Sequence[Sample], weights: Sequence[np.ndarray], indices: list[int] | None
+    ) -> dict[str, float]:
+        """Forward and backward of one micro-batch; its sums for the step's metrics. None: a
+        rank with fewer micro-batches than the others runs one at zero weight (FSDP needs the
+        same number of forwards on every rank); it adds no gradient and no metric."""
+        filler = indices is None
+        chosen = [0] if filler else indices
+        arrays = collate([samples[i] for i in chosen], [weights[i] for i in chosen], self.pad_id)
+        if filler:
+            arrays["loss_mask"] = np.zeros_like(arrays["loss_mask"])
+            arrays["weights"] = np.zeros_like(arrays["weights"])
+        t = {
+            k: torch.from_numpy(v).to(self.device)
+            for k, v in arrays.items()
+            if k not in ("input_ids", "attention_mask")
+        }
+        logits = self._forward(self.model, arrays)
+        logp = token_logprobs(logits, t["targets"])  # (B, T-1)
+        ref_logp = None
+        if self.reference is not None:
+            with torch.no_grad():
+                ref_logp = token_logprobs(self._forward(self.reference, arrays), t["targets"])
+        out = ppo_tis_loss(
+            logp, t["behaviour_logprobs"], t["advantages"], t["loss_mask"], t["weights"],
+            clip_low=self.cfg.clip_low, clip_high=self.cfg.clip_high, tis_cap=self.cfg.tis_cap,
+            ref_logp=ref_logp, kl_coef=self.cfg.kl_coef,
+        )  # fmt: skip
+        out.loss.backward()
+        mask = t["loss_mask"] > 0
+        entropy = token_entropy(logits.detach())[mask].sum().item() if out.tokens else 0.0
+        return {
+            "loss": float(out.loss.detach()),
+            "pg_loss": out.pg_loss,
+            "kl": out.kl * out.tokens,
+            "clip": out.clip_fraction * out.tokens,
+            "tis": out.tis_fraction * out.tokens,
+            "ratio": out.ratio_mean * out.tokens,
+            "entropy": entropy,
+            "tokens": float(out.tokens),
         }
 
     @torch.no_grad()
@@ -135,31 +159,51 @@ class TorchBackend(TrainerBackend):
         return float(out.loss)
 
     def weights(self) -> dict[str, Any]:
+        """The full state dict on CPU (with LoRA: the adapter's tensors, peft's names); with
+        ranks it is gathered to rank 0 (the others get {})."""
+        if self.cfg.lora_rank:
+            return lora.adapter_weights(self.model, gather=self.world.distributed)
+        state = self.model.state_dict()
+        if self.world.distributed:
+            state = distributed.full_state_dict(self.model)
         # Separate CPU copies: safetensors refuses tensors sharing storage (tied embeddings).
-        return {k: v.detach().to("cpu").clone().contiguous() for k, v in self.model.state_dict().items()}
+        return {k: v.detach().to("cpu").clone().contiguous() for k, v in state.items()}
 
-    def save_state(self, path: Path) -> None:
-        torch.save(
-            {
-                "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "rng": {
-                    "torch": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-                    "numpy": np.random.get_state(),
-                    "python": random.getstate(),
-                },
-            },
-            path,
-        )
+    def adapter_config(self) -> dict[str, Any] | None:
+        return lora.adapter_config(self.model) if self.cfg.lora_rank else None
 
-    def load_state(self, path: Path) -> None:
-        state = torch.load(path, map_location=self.device, weights_only=False)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        rng = state["rng"]
+    def _rng_state(self) -> dict[str, Any]:
+        return {
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "numpy": np.random.get_state(),
+            "python": random.getstate(),
+        }
+
+    def _restore_rng(self, rng: dict[str, Any]) -> None:
         torch.set_rng_state(rng["torch"].cpu())
         if rng["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
         np.random.set_state(rng["numpy"])
         random.setstate(rng["python"])
+
+    def save_state(self, path: Path) -> None:
+        if self.world.distributed:  # a folder of shards, one RNG file per rank
+            distributed.save_sharded(path, self.model, self.optimizer, self._rng_state(), self.world)
+            return
+        model = lora.trainable_state(self.model) if self.cfg.lora_rank else self.model.state_dict()
+        torch.save({"model": model, "optimizer": self.optimizer.state_dict(), "rng": self._rng_state(),
+                    "lora_rank": self.cfg.lora_rank}, path)  # fmt: skip
+
+    def load_state(self, path: Path) -> None:
+        if self.world.distributed:
+            self._restore_rng(distributed.load_sharded(path, self.model, self.optimizer, self.world))
+            return
+        state = torch.load(path, map_location=self.device, weights_only=False)
+        lora.check_checkpoint_rank(state.get("lora_rank", 0), self.cfg.lora_rank, str(path))
+        if self.cfg.lora_rank:
+            lora.load_trainable_state(self.model, state["model"], str(path))
+        else:
+            self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self._restore_rng(state["rng"])

@@ -1,0 +1,149 @@
+"""The torch trainer at world size 2 (two real processes, gloo, FSDP2) against one process:
+the same step gives the same weights and metrics; a sharded checkpoint round trip resumes
+the exact trajectory of updates; a launch asking for more GPUs than there are, and a
+checkpoint of another world size, fail with errors that say what to do."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from distributed_helpers import assert_weights_close, run_world
+from test_trainer_step import config_for, make_tiny_model, sampled_trajectory
+
+from squall.trainer.backend import make_backend
+from squall.trainer.checkpoint import CheckpointStore, TrainerState, WorldSizeMismatch
+from squall.trainer.cli import torchrun_command
+from squall.trainer.distributed import WorldSizeError, check_devices
+from squall.trainer.sequences import trajectory_to_samples
+
+torch.set_num_threads(1)
+ROOT = Path(__file__).resolve().parents[1]
+MICROBATCH_TOKENS = 40  # the batch below splits into an odd number of micro-batches
+RTOL = 1e-5
+
+
+def step_batch(model_path):
+    """Samples of 3 groups (multi-turn, both signs of advantage) from the model's own sampling."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    samples = []
+    for g in range(3):
+        for i in range(4):
+            t = sampled_trajectory(model, f"g{g}", i, float(i % 2), seed=10 * g + i, turns=1 + (i + g) % 2)
+            samples += trajectory_to_samples(t, advantage=1.0 if i % 2 else -1.0)
+    return samples
+
+
+def train_once(tmp_dir, model_path, samples, trainer):
+    """One step on a fresh backend: (metrics, full weights) — the weights on rank 0 only."""
+    backend = make_backend("torch", config_for(Path(tmp_dir), model_path, **trainer))
+    metrics = backend.train_step(samples)
+    return metrics, backend.weights()
+
+
+def train_save_resume(tmp_dir, model_path, samples, trainer):
+    """Step, checkpoint, step again; then a fresh backend loads the checkpoint and takes the
+    second step again. Both second steps must give the same weights."""
+    first_half, second_half = samples[: len(samples) // 2], samples[len(samples) // 2 :]
+    config = config_for(Path(tmp_dir), model_path, **trainer)
+    backend = make_backend("torch", config)
+    backend.train_step(first_half)
+    ckpt = Path(tmp_dir) / "ckpt" / "state.pt"  # the name CheckpointStore gives it: a folder here
+    backend.save_state(ckpt)
+    backend.train_step(second_half)
+    straight = backend.weights()
+    resumed = make_backend("torch", config)
+    resumed.load_state(ckpt)
+    resumed.train_step(second_half)
+    return straight, resumed.weights(), sorted(p.name for p in ckpt.iterdir())
+
+
+@pytest.mark.parametrize(
+    "trainer",
+    [{"loss_agg": "token"}, {"loss_agg": "trajectory", "kl_coef": 0.1}],
+    ids=["token", "trajectory+kl"],
+)
+def test_two_ranks_step_equals_one_process(tmp_path, trainer):
+    model_path = make_tiny_model(tmp_path / "model")
+    samples = step_batch(model_path)
+    trainer = {**trainer, "max_tokens_per_microbatch": MICROBATCH_TOKENS}
+    single_metrics, single_weights = train_once(tmp_path / "single", model_path, samples, trainer)
+    assert single_metrics["microbatches"] % 2 == 1  # one rank runs a zero-weight filler
+
+    (metrics0, weights0), (metrics1, weights1) = run_world(
+        train_once, str(tmp_path / "ranks"), str(model_path), samples, trainer
+    )
+    assert weights1 == {}  # the full state dict is gathered to rank 0 only
+    before = make_backend("torch", config_for(tmp_path, model_path)).weights()
+    moved = max(float((single_weights[k] - before[k]).abs().max()) for k in before)
+    assert moved > 1e-4  # the step changed the weights: the comparison below means something
+    assert_weights_close(single_weights, weights0)
+    for metrics in (metrics0, metrics1):  # every rank reports the whole step, as one process does
+        assert metrics.keys() == single_metrics.keys()
+        for name, value in single_metrics.items():
+            assert metrics[name] == pytest.approx(value, rel=RTOL, abs=1e-7), name
+
+
+def test_sharded_checkpoint_resumes_the_same_updates(tmp_path):
+    model_path = make_tiny_model(tmp_path / "model")
+    samples = step_batch(model_path)
+    trainer = {"max_tokens_per_microbatch": MICROBATCH_TOKENS}
+    (straight, resumed, files), _ = run_world(
+        train_save_resume, str(tmp_path / "ranks"), str(model_path), samples, trainer
+    )
+    assert {"rng-00000.pt", "rng-00001.pt", ".metadata"} <= set(files)
+    assert sum(name.endswith(".distcp") for name in files) == 2  # one shard file per rank
+    assert_weights_close(straight, resumed)
+
+
+def launch_args(**given):
+    base = {"config": "run.toml", "run": None, "redis_url": None, "backend": None, "max_steps": 3,
+            "nproc_per_node": 2, "nnodes": 1, "node_rank": None, "rdzv_endpoint": None}  # fmt: skip
+    return argparse.Namespace(**{**base, **given})
+
+
+def test_launch_command_and_its_bad_input():
+    single = torchrun_command(launch_args())
+    assert single[1:5] == ["-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone"]
+    assert single[-7:] == ["-m", "squall.cli", "trainer", "--config", "run.toml", "--max-steps", "3"]
+    multi = torchrun_command(launch_args(nnodes=2, node_rank=1, rdzv_endpoint="10.0.0.1:29400"))
+    assert "--rdzv-backend=static" in multi and "--node-rank=1" in multi and "--nnodes=2" in multi
+    with pytest.raises(WorldSizeError, match="--node-rank"):
+        torchrun_command(launch_args(nnodes=2))
+    if torch.cuda.device_count() < 64:
+        with pytest.raises(WorldSizeError, match=r"--nproc-per-node \d+ or fewer"):
+            check_devices("cuda", 64)
+    check_devices("cpu", 64)  # CPU ranks are not limited by devices
+
+
+def test_cli_refuses_more_ranks_than_gpus(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA devices; the check is exercised by the unit test")
+    config = tmp_path / "run.toml"
+    config.write_text(f'[run]\nname = "toomany"\ndir = "{tmp_path / "run"}"\n[trainer]\ndevice = "cuda"\n')
+    proc = subprocess.run(
+        [sys.executable, "-m", "squall.cli", "trainer", "--config", str(config), "--nproc-per-node", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "0 CUDA device(s)" in proc.stderr and "--nproc-per-node 0 or fewer" in proc.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()  # refused before anything started
+
+
+def test_checkpoint_of_another_world_size_is_refused(tmp_path):
+    written = CheckpointStore(tmp_path / "ckpt", world_size=2)
+    written.save(TrainerState(commit=1, step=1, version=1, trained={"g:0#0": 1}), lambda p: p.mkdir())
+    with pytest.raises(WorldSizeMismatch, match=r"2 rank\(s\), this one has 1: resume it with 2 rank"):
+        CheckpointStore(tmp_path / "ckpt", world_size=1).latest()
+    state, _ = CheckpointStore(tmp_path / "ckpt", world_size=2).latest()
+    assert state.trained == {"g:0#0": 1}
+    older = CheckpointStore(tmp_path / "old")  # checkpoints from before the world size was recorded
+    older.save(TrainerState(commit=1, step=1, version=1), lambda p: p.write_bytes(b"x"))
+    with pytest.raises(WorldSizeMismatch, match="1 rank"):
+        CheckpointStore(tmp_path / "old", world_size=2).latest()
