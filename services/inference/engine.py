@@ -14,6 +14,7 @@ Contract (both backends):
   token (special tokens kept, so `<tool_call>` survives), cut before the first stop string.
 - `apply_weights(version, path)` loads a safetensors state dict and starts serving it between
   requests; it raises WeightsError (old weights kept) when the file cannot be loaded.
+  `apply_adapter(version, folder)` does the same for a LoRA adapter on the base model.
 """
 
 from __future__ import annotations
@@ -84,6 +85,13 @@ class Engine(abc.ABC):
     async def apply_weights(self, version: int, path: str) -> None:
         """Serve the safetensors state dict at `path` as `version`, between requests."""
 
+    @abc.abstractmethod
+    async def apply_adapter(self, version: int, folder: str) -> None:
+        """Serve the base model (the one the engine started with) with the LoRA adapter in
+        `folder` (peft layout, shared.adapterfiles) as `version`; the previous adapter is
+        replaced, not stacked. Same rules as apply_weights: never under a running request,
+        WeightsError (old version kept) when the adapter cannot be applied."""
+
     def stats(self) -> dict[str, int]:
         """For /metrics: `running` sequences, `waiting` requests, and running totals of
         `forward_passes` and `sampled_tokens` (their ratio is the mean batch size)."""
@@ -100,5 +108,5 @@ def make_engine(config: RunConfig, model_dir: str) -> Engine:
     if backend == "vllm":
         from .vllm_engine import VllmEngine
 
-        return VllmEngine(model_dir, config.inference)
+        return VllmEngine(model_dir, config.inference, lora_rank=config.trainer.lora_rank)
     raise ValueError(f"unknown inference backend {backend!r}; known backends: {', '.join(BACKENDS)}")

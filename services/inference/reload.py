@@ -6,7 +6,8 @@ blocks on XREAD from that entry. Of a burst of versions only the newest is loade
 is loaded only after its file's sha256 (a sharded version: its index's, then each shard's
 against the index) matches the announced checksum; a missing, corrupt or mismatched file is
 logged and counted (`squall_inference_weight_errors_total{reason}`) and the node keeps
-serving the version it had. On success it XADDs WeightApplied to
+serving the version it had. A LoRA version (format "lora") is an adapter the engine applies
+to the base model it started with (`Engine.apply_adapter`). On success it XADDs WeightApplied to
 `weights:applied` and sets `versions[inference:<node>]`. It also writes the node's heartbeat
 (`inference:<node>`, through shared.heartbeat). While Redis does not answer, the node keeps
 serving and its reads and acknowledgements wait for Redis (shared.retry's one policy: logged,
@@ -33,6 +34,7 @@ from typing import Any
 import structlog
 
 from squall.shared import schemas
+from squall.shared.adapterfiles import FORMAT_LORA, verify_adapter
 from squall.shared.errors import ConfigError, SchemaError, WeightsError
 from squall.shared.heartbeat import HeartbeatWriter
 from squall.shared.keys import WEIGHTS_APPLIED_MAXLEN, Keys
@@ -204,7 +206,10 @@ class WeightFollower:
         start = time.monotonic()
         try:
             await asyncio.to_thread(self._verify, message)
-            await self.engine.apply_weights(message.version, message.location)
+            if message.format == FORMAT_LORA:
+                await self.engine.apply_adapter(message.version, message.location)
+            else:
+                await self.engine.apply_weights(message.version, message.location)
         except WeightsError as exc:
             reason = str(exc).split(":", 1)[0]
             self.metrics.weight_errors.labels(reason).inc()
@@ -253,14 +258,18 @@ class WeightFollower:
     def _verify(message: schemas.WeightVersion) -> None:
         """Raise WeightsError whose text starts with the reason: missing, format, checksum.
         A sharded version: its index against the announced checksum here; each shard against
-        the index as the engine reads it (shardload.py)."""
+        the index as the engine reads it (shardload.py). A LoRA adapter: both files against
+        the announced manifest checksum (shared.adapterfiles)."""
+        if message.format == FORMAT_LORA:
+            verify_adapter(message.location, message.checksum)
+            return
         if message.format == FORMAT_SHARDED:
             read_index(message.location, message.checksum)
             return
         if message.format != FORMAT_FILE:
             raise WeightsError(
                 f"format: version {message.version} is {message.format!r}; "
-                f"known formats: {FORMAT_SHARDED}, {FORMAT_FILE}"
+                f"known formats: {FORMAT_SHARDED}, {FORMAT_FILE}, {FORMAT_LORA}"
             )
         path = Path(message.location)
         if not path.is_file():

@@ -106,6 +106,7 @@ class TorchEngine(Engine):
         self.max_model_len = section.max_model_len
         self.max_batch = section.max_batch
         self.model: Any = None
+        self._base: Any = None  # the model loaded at start while no full-weight version replaced it
         self._decode_text = decoder_of(self.tokenizer)
         self._version = 0
         self._inbox: queue.Queue[_Request] = queue.Queue()
@@ -132,6 +133,7 @@ class TorchEngine(Engine):
             return model.to(self.device).eval()
 
         self.model = await asyncio.to_thread(load)
+        self._base = self.model  # what LoRA adapters are merged onto (apply_adapter)
         config_len = getattr(self.model.config, "max_position_embeddings", None)
         if config_len:
             self.max_model_len = min(self.max_model_len, int(config_len))
@@ -168,6 +170,24 @@ class TorchEngine(Engine):
 
     async def apply_weights(self, version: int, path: str) -> None:
         model = await asyncio.to_thread(self._load_copy, path)
+        await self._serve(version, model)
+        self._base = None  # the model started with is no longer a base an adapter may apply to
+
+    async def apply_adapter(self, version: int, folder: str) -> None:
+        """Serve the model this node started with (the trainer's base) with the LoRA adapter
+        in `folder` merged in (adapters.py); the base stays pristine for the next adapter."""
+        from .adapters import merged_copy
+
+        if self._base is None:
+            raise WeightsError(
+                f"format: version {version} is a LoRA adapter, but this node already serves full "
+                "weights in place of its base model; restart the node on the run's model.path"
+            )
+        model = await asyncio.to_thread(merged_copy, self._base, folder)
+        await self._serve(version, model)
+
+    async def _serve(self, version: int, model: Any) -> None:
+        """Hand `model` to the engine thread and wait until it serves it as `version`."""
         done: concurrent.futures.Future = concurrent.futures.Future()
         pending = (version, model, done)
         self._pending = pending

