@@ -283,6 +283,9 @@ class LeaderBackend(TrainerBackend):
         self.leader.send("load", str(path))
         self.inner.load_state(path)
 
+    def adapter_config(self) -> dict[str, Any] | None:  # local: every rank holds the same config
+        return self.inner.adapter_config()
+
     def __getattr__(self, name: str) -> Any:  # backend extras (model, device) for diagnostics
         return getattr(self.inner, name)
 
