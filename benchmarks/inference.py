@@ -191,6 +191,10 @@ def main() -> int:
                         *(statistics.median(r[i] for r in generate_runs) for i in range(2)),
                     )
                 )
+                print(
+                    f"concurrency {concurrency}: server tok/s {rows[-1][1]:.0f}, generate tok/s {rows[-1][6]:.0f}",
+                    flush=True,
+                )
         finally:
             server.terminate()
             server.wait(30)

@@ -111,9 +111,11 @@ def test_inference_node_on_cuda_samples_with_bf16_logprobs(tiny_dir):
 
 
 def test_weight_reload_on_a_cuda_node(tiny_dir, r, redis_url, run_name, tmp_path):
+    # fp32 on the GPU: the reload path is under test here, not bf16 (whose error on the heavily
+    # perturbed version 1 reaches 0.2 nats per token, measured on an H100).
     models = perturbed_versions(tiny_dir)
     node = NodeThread(
-        tiny_dir, device="cuda", follow_weights=True, node="g1",
+        tiny_dir, device="cuda", dtype="float32", follow_weights=True, node="g1",
         run={"name": run_name, "redis_url": redis_url, "autostart_redis": False},
     ).start()  # fmt: skip
     try:
@@ -131,6 +133,9 @@ def test_weight_reload_on_a_cuda_node(tiny_dir, r, redis_url, run_name, tmp_path
         served = np.array([entry.logprob for entry in choice.logprobs.content])
         new = np.array(recompute_logprobs(models[1], prompt_ids, token_ids))
         old = np.array(recompute_logprobs(models[0], prompt_ids, token_ids))
-        assert np.abs(served - new).mean() < 0.05 < np.abs(served - old).mean()
+        print(
+            f"after reload: |served - v1| max {np.abs(served - new).max():.2e}, |served - v0| mean {np.abs(served - old).mean():.3f}"
+        )
+        assert np.abs(served - new).max() < 1e-3 and np.abs(served - old).mean() > 1e-2
     finally:
         node.stop()
