@@ -58,9 +58,10 @@ clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache .mypy_cache
 
 # The verl backend's tests, in a virtualenv of their own (verl pins packages the main venv
-# must not get), which sees the main venv's packages through a .pth file.
+# must not get: verl 0.9.1 wants transformers < 5.11), which sees the main venv's packages
+# through a .pth file. The backend drives verl 0.9's training engine (docs/trainer.md).
 VERL_VENV ?= .venv-verl
-VERL ?= verl==0.5.0
+VERL ?= verl==0.9.1
 test-verl: setup
 	test -x $(VERL_VENV)/bin/python || $(PYTHON) -m venv $(VERL_VENV)
 	$(VERL_VENV)/bin/python -c "import sysconfig, sys; open(sysconfig.get_paths()['purelib'] + '/zz_squall_main.pth', 'w').write('import site; site.addsitedir(%r)\n' % sys.argv[1])" "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
