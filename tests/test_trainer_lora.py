@@ -251,3 +251,39 @@ def test_two_ranks_make_the_single_process_lora_step(tmp_path):
     assert any(t.abs().max() > 0 for n, t in one["weights"].items() if ".lora_B." in n)  # the step moved B
     for name, tensor in one["weights"].items():
         torch.testing.assert_close(two["weights"][name], tensor, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+def test_a_lora_run_through_squall_up_publishes_adapters_that_inference_serves(tmp_path, monkeypatch):
+    import squall
+    from examples.calc.tasks import generate, write_jsonl
+    from squall.shared.localredis import free_port
+
+    write_jsonl(tmp_path / "train.jsonl", generate("train", 48, 0))
+    write_jsonl(tmp_path / "val.jsonl", generate("val", 4, 0))
+    monkeypatch.chdir(ROOT)  # the agent is examples.calc.agent, imported from the repo root
+    run_dir = tmp_path / "run"
+    cfg = squall.config(
+        ROOT / "examples" / "calc" / "demo.toml",
+        run={"name": "lorarun", "dir": str(run_dir), "redis_url": f"redis://127.0.0.1:{free_port()}/0"},
+        scheduler={"dataset": str(tmp_path / "train.jsonl"), "val_dataset": str(tmp_path / "val.jsonl"),
+                   "group_size": 4, "max_inflight_groups": 4, "val_samples": 4, "val_every": 100},
+        trainer={"groups_per_step": 2, "max_steps": 3, "lora_rank": 8, "keep_versions": 10},
+        runner={"concurrency": 8},
+    )  # fmt: skip
+    result = squall.up(cfg, runners=1, minutes=6, label="lora")
+    assert result.ok, str(result)
+    assert result.reason == "trainer reached max_steps", result.reason
+    versions = result.summary["versions"]
+    assert versions["trainer"] == 3, versions
+    # A node acknowledges a version only once it serves it, and every version here is an
+    # adapter: the node applied at least two of them without a restart.
+    assert versions["inference:node0"] >= 2, versions
+    assert result.ledger_balanced, result.ledger
+    assert not {k: v for k, v in result.ledger.items() if k in ("pending", "running") and v}, result.ledger
+    published = sorted(p for p in (run_dir / "weights").iterdir() if p.name.startswith("v"))
+    assert [p.name for p in published] == [f"v{v:06d}" for v in range(4)], published
+    for folder in published:  # every version, the initial one too, is an adapter and nothing else
+        assert sorted(f.name for f in folder.iterdir()) == [ADAPTER_CONFIG, ADAPTER_WEIGHTS], folder
+        assert (folder / ADAPTER_WEIGHTS).stat().st_size < 0.2 * (POLICY / "model.safetensors").stat().st_size
