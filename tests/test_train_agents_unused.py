@@ -100,3 +100,23 @@ def test_an_unused_train_agent_is_warned_once_in_logs_status_and_dashboard(
         _stop(dashboard)
     assert [w["subject"] for w in state["warnings"]] == ["solver"]
     assert 'id="warnings"' in page and "st.warnings" in page
+
+
+@pytest.mark.redis
+def test_squall_up_prints_each_run_warning_once(r, run_name):
+    import argparse
+
+    from squall.shared.config import load_config
+    from squall.tools.up import Up
+
+    up = Up(load_config(None, overrides={"run": {"name": run_name}}, env={}), argparse.Namespace())
+    up.r = r
+    assert "WARNING" not in up._progress_line()
+    raise_once(
+        r,
+        Keys(run_name),
+        RunWarning("train_agent_unused", "solver", "no call from 'solver'", 1.0, "runner:a"),
+    )
+    first, second = up._progress_line(), up._progress_line()
+    assert first.startswith("squall up: WARNING no call from 'solver'\n[") and "step=" in first
+    assert "WARNING" not in second

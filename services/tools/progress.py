@@ -30,6 +30,7 @@ def render(snap: RunSnapshot) -> dict[str, Any]:
         "step": last.step if last is not None else 0,
         "tokens_per_s": snap.metrics.latest("tokens_per_s", "throughput/tokens_per_s"),
         "train_reward": sum(p.mean for p in recent) / len(recent) if recent else float("nan"),
+        "warnings": [w.message for w in snap.warnings],  # each raised once per run
     }
 
 

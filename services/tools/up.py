@@ -66,6 +66,7 @@ class Up:
         self.started = time.monotonic()
         self.reason = ""
         self.summary: dict[str, Any] | None = None  # what _report wrote to summary.json
+        self.warned: set[str] = set()  # run warnings (shared.runwarnings) already printed
 
     # --- lifecycle ----------------------------------------------------------------------
     def run(self) -> int:
@@ -241,7 +242,9 @@ class Up:
         ledger = " ".join(f"{k}={v}" for k, v in sorted(s["ledger"].items()) if k != "dispatched")
         val = s["val"][-1]["mean"] if s["val"] else float("nan")
         minutes = (time.monotonic() - self.started) / 60
-        return (
+        new = [message for message in s["warnings"] if message not in self.warned]
+        self.warned.update(new)
+        return "".join(f"squall up: WARNING {message}\n" for message in new) + (
             f"[{minutes:5.1f} min] step={s['step']} version trainer={s['versions'].get('trainer', '-')} "
             f"inference={','.join(str(v) for k, v in sorted(s['versions'].items()) if k.startswith('inference'))} "
             f"train_reward={s['train_reward']:.3f} val_reward={val:.3f} tokens/s={s['tokens_per_s']:.0f} "
