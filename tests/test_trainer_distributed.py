@@ -6,6 +6,9 @@ checkpoint of another world size, fail with errors that say what to do."""
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,11 +16,17 @@ from pathlib import Path
 import pytest
 import torch
 from distributed_helpers import assert_weights_close, run_world
+from test_trainer_e2e import publish_dataset, start_trainer, trained_log, write_config
 from test_trainer_step import config_for, make_tiny_model, sampled_trajectory
+from waiting import wait_for
 
+from squall.shared import bus
+from squall.shared.keys import GROUP_TRAINER, Keys
+from squall.shared.ledger import Ledger
+from squall.shared.schemas import decode
 from squall.trainer.backend import make_backend
 from squall.trainer.checkpoint import CheckpointStore, TrainerState, WorldSizeMismatch
-from squall.trainer.cli import torchrun_command
+from squall.trainer.cli import rank_processes, torchrun_command
 from squall.trainer.distributed import WorldSizeError, check_devices
 from squall.trainer.sequences import trajectory_to_samples
 
@@ -147,3 +156,101 @@ def test_checkpoint_of_another_world_size_is_refused(tmp_path):
     older.save(TrainerState(commit=1, step=1, version=1), lambda p: p.write_bytes(b"x"))
     with pytest.raises(WorldSizeMismatch, match="1 rank"):
         CheckpointStore(tmp_path / "old", world_size=2).latest()
+
+
+# --- the whole trainer at world size 2 (torchrun, a real Redis) -------------------------
+def start_ranks(config: Path, *extra: str) -> subprocess.Popen:
+    return start_trainer(config, "--nproc-per-node", "2", *extra)
+
+
+def wait_for_ranks(proc: subprocess.Popen) -> dict[int, int]:
+    return wait_for(lambda: len(found := rank_processes(proc.pid)) == 2 and found, 60, "two ranks")
+
+
+@pytest.mark.redis
+@pytest.mark.slow
+def test_kill9_of_either_rank_then_resume_trains_every_key_once(tmp_path, r, redis_url, run_name):
+    from transformers import AutoModelForCausalLM
+
+    model_path = make_tiny_model(tmp_path / "model")
+    keys = Keys(run_name)
+    bus.ensure_group(r, keys.trajectories, GROUP_TRAINER)
+    trainable, zero_var = publish_dataset(r, keys, AutoModelForCausalLM.from_pretrained(model_path))
+    config = write_config(tmp_path, redis_url, run_name, model_path, collective_timeout_s=30.0)
+    run_dir = tmp_path / "run"
+
+    for kill_after, victim in ((2, 1), (5, 0)):  # a follower, then rank 0 (the bus owner)
+        proc = start_ranks(config, "--max-steps", "9")
+        try:
+            pids = wait_for_ranks(proc)
+            wait_for(lambda k=kill_after, p=proc: len(trained_log(run_dir)) >= k or p.poll() is not None,
+                     180, f"step {kill_after}")  # fmt: skip
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            os.kill(pids[victim], signal.SIGKILL)
+            rc = proc.wait(60)  # torchrun tears the survivor down: well within the collective timeout
+            assert rc != 0
+            assert not rank_processes(proc.pid)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    proc = start_ranks(config, "--max-steps", "9")
+    try:
+        rc = proc.wait(300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert rc == 0, proc.stderr.read().decode()[-3000:]
+
+    log = trained_log(run_dir)
+    assert [line["step"] for line in log] == list(range(1, 10))  # every step once
+    all_keys = [k for line in log for k in line["keys"]]
+    assert len(all_keys) == len(set(all_keys)), "a trajectory was trained twice"
+    assert set(all_keys) == trainable, "a trajectory was lost"
+    ledger = Ledger(r, keys)
+    assert {ledger.state_of(k) for k in trainable} == {"trained"}
+    assert {ledger.state_of(k) for k in zero_var} == {"filtered:zero_variance"}
+    assert ledger.balanced()
+    assert r.xpending(keys.trajectories, GROUP_TRAINER)["pending"] == 0
+    assert int(r.hget(keys.versions, "trainer")) == 9
+    newest = sorted((run_dir / "checkpoints").glob("ckpt-*"))[-1]
+    assert json.loads((newest / "meta.json").read_text())["world_size"] == 2
+    assert (newest / "state.pt" / "rng-00001.pt").exists()
+
+
+@pytest.mark.redis
+@pytest.mark.slow
+def test_sigterm_stops_every_rank_after_the_step(tmp_path, r, redis_url, run_name):
+    from transformers import AutoModelForCausalLM
+
+    model_path = make_tiny_model(tmp_path / "model")
+    keys = Keys(run_name)
+    bus.ensure_group(r, keys.trajectories, GROUP_TRAINER)
+    trainable, _ = publish_dataset(r, keys, AutoModelForCausalLM.from_pretrained(model_path))
+    config = write_config(tmp_path, redis_url, run_name, model_path, collective_timeout_s=30.0)
+    proc = start_ranks(config)
+    try:
+        wait_for_ranks(proc)
+        wait_for(lambda: trained_log(tmp_path / "run") or proc.poll() is not None, 180, "first step")
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert rc == 0, proc.stderr.read().decode()[-3000:]
+    done = {k for line in trained_log(tmp_path / "run") for k in line["keys"]}
+    assert done and done <= trainable
+    # every trained entry is acked: what is still pending was never trained
+    pending = r.xpending_range(keys.trajectories, GROUP_TRAINER, min="-", max="+", count=1000)
+    pending_ids = {row["message_id"] for row in pending}
+    trained_ids = {eid for eid, fields in r.xrange(keys.trajectories) if decoded_key(fields) in done}
+    assert not pending_ids & trained_ids
+
+
+def decoded_key(fields) -> str | None:
+    try:
+        return decode(fields[b"m"]).key
+    except Exception:  # the corrupt entry of the dataset
+        return None

@@ -7,7 +7,9 @@ each running this same command without the launch options; see trainer/distribut
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 from squall.shared.cliargs import add_common_arguments
 
@@ -64,8 +66,34 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
     return command
 
 
+def rank_processes(pid: int) -> dict[int, int]:
+    """Global rank -> pid of the trainer ranks below process `pid` (torchrun's children)."""
+    found: dict[int, int] = {}
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        for children in Path(f"/proc/{parent}/task").glob("*/children"):
+            try:
+                todo += [int(c) for c in children.read_text().split()]
+            except OSError:
+                continue  # that thread or process is gone
+        try:
+            env = Path(f"/proc/{parent}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ranks = [v[5:] for v in env if v.startswith(b"RANK=")]
+        if parent != pid and ranks:
+            found[int(ranks[0])] = parent
+    return found
+
+
 def launch(args: argparse.Namespace) -> int:
-    """Start this node's ranks through torchrun and wait for them (its exit code)."""
+    """Start this node's ranks through torchrun and wait for them (its exit code).
+
+    A SIGTERM/SIGINT is passed to the ranks, not to torchrun: rank 0 then finishes its step
+    and checkpoint and stops the others, and every rank exits 0 (torchrun, signalled, would
+    kill them and fail). Before the ranks exist it goes to torchrun."""
+    import signal
     import subprocess
 
     from squall.shared.cliargs import config_from_args
@@ -74,7 +102,18 @@ def launch(args: argparse.Namespace) -> int:
 
     config = config_from_args(args, trainer={"backend": args.backend, "max_steps": args.max_steps})
     check_devices(config.trainer.device, args.nproc_per_node)
-    return subprocess.call(torchrun_command(args))
+    proc = subprocess.Popen(torchrun_command(args), start_new_session=True)  # signals come through us
+
+    def forward(signum: int, _frame: object) -> None:
+        for pid in list(rank_processes(proc.pid).values()) or [proc.pid]:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass  # exited meanwhile
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    return proc.wait()
 
 
 def main(args: argparse.Namespace) -> int:
@@ -98,8 +137,6 @@ def run_rank(args: argparse.Namespace) -> int:
 
     config = config_from_args(args, trainer={"backend": args.backend, "max_steps": args.max_steps})
     configure_logging("trainer", config.run.name, level=config.run.log_level)
-    import os
-
     import torch
 
     # CPU threads for torch (the default 1 suits shared machines and GPU runs)
