@@ -25,6 +25,7 @@ from squall.shared.keys import GROUP_RUNNERS, GROUP_SCHEDULER, GROUP_TRAINER, Ke
 from squall.shared.ledger import Ledger
 from squall.shared.localredis import find_server_binary, free_port
 from squall.shared.redisconn import connect, redact
+from squall.shared.runlookup import has_run, runs_in
 from squall.shared.runwarnings import RunWarning, raise_once
 
 pytestmark = pytest.mark.redis
@@ -293,6 +294,11 @@ def test_monitor_reads_the_whole_run(users):
     state = snapshot(users["monitor"], K)  # exactly what the dashboard and /metrics read
     assert state["ledger"]["dispatched"] == 4 and state["versions"]["trainer"] == 3
     assert [w["subject"] for w in state["warnings"]] == ["solver"]
+    # `squall status`/`peek` tell that the run exists with EXISTS; listing runs needs SCAN, refused
+    assert has_run(users["monitor"], K)
+    with pytest.raises(redis.exceptions.NoPermissionError):  # another run's keys: said, not hidden
+        has_run(users["monitor"], Keys(OTHER_RUN))
+    assert runs_in(users["monitor"]) is None and runs_in(users["admin"]) == [RUN]
     assert {(g["stream"], g["group"]) for g in state["groups"]} >= {
         ("tasks", "runners"),
         ("trajectories", "trainer"),
