@@ -25,6 +25,7 @@ from squall.shared import bus, schemas
 from squall.shared.keys import GROUP_RUNNERS, GROUP_SCHEDULER, GROUP_TRAINER, Keys
 from squall.shared.ledger import Ledger
 from squall.shared.localredis import free_port
+from squall.shared.runwarnings import RunWarning, raise_once
 
 pytestmark = pytest.mark.redis
 
@@ -214,6 +215,9 @@ def test_dashboard_in_headless_chromium_follows_a_live_run(r, redis_url, run_nam
     for _ in range(6):
         run.step()
     run.leave_some_in_flight()
+    unused = RunWarning("train_agent_unused", "solver", "runner.train_agents lists 'solver', but no call came",
+                        time.time(), "runner:host-a:1")  # fmt: skip
+    raise_once(r, Keys(run_name), unused)
     port = free_port()
     proc = _start_dashboard(redis_url, run_name, port)
     ARTIFACTS.mkdir(exist_ok=True)
@@ -246,6 +250,7 @@ def test_dashboard_in_headless_chromium_follows_a_live_run(r, redis_url, run_nam
             assert page.locator("#metrics [data-metric=loss] path").count() == 1
             assert "node-b" in page.inner_text("#versions") and "2 behind" in page.inner_text("#versions")
             assert "tasks" in page.inner_text("#streams")
+            assert page.inner_text("[data-testid=warnings]") == f"warning {unused.message}"  # the banner
             page.screenshot(path=str(ARTIFACTS / "dashboard-before.png"), full_page=True)
 
             # live: the run goes on and the page follows without a reload
