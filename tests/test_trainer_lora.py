@@ -1,7 +1,7 @@
 """LoRA training on the real calc policy: only adapters train, the base stays bit-identical,
 the KL reference is the base; the published adapter is small, verifies by its checksum, and a
 fresh torch inference engine merging it gives the trainer's logits (a second version replaces
-the first, never stacks); checkpoints round-trip; bad targets and mismatched checkpoints are
+the first, never stacks) and `squall export` writes it merged; checkpoints round-trip; bad targets and mismatched checkpoints are
 refused with errors naming the field; two gloo ranks make the single-process step."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 from distributed_helpers import run_world
 from inference_helpers import NodeThread
 from test_trainer_step import sampled_trajectory
+from transformers import AutoModelForCausalLM
 from waiting import wait_for
 
 from squall.inference.torch_engine import TorchEngine
@@ -26,6 +27,7 @@ from squall.shared.config import load_config
 from squall.shared.errors import ConfigError, WeightsError
 from squall.shared.keys import Keys
 from squall.shared.schemas import WeightVersion, decode
+from squall.tools.export import export, version_file
 from squall.trainer.backend import make_backend
 from squall.trainer.publish import Publisher
 from squall.trainer.sequences import trajectory_to_samples
@@ -145,6 +147,11 @@ def test_lora_step_trains_adapters_only_and_inference_serves_the_merged_adapter(
     with backend.model.disable_adapter(), torch.no_grad():
         torch.testing.assert_close(base, backend.model(input_ids=PROBE).logits, rtol=1e-5, atol=1e-5)
     assert (served_v2 - trainer_v1).abs().max() > 1e-3  # the versions differ: the checks can fail
+
+    # `squall export` of a LoRA version: a plain HF model with the adapter merged in.
+    out = export(str(POLICY), version_file(str(tmp_path / "run"), 2), tmp_path / "exported")
+    exported = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    torch.testing.assert_close(served_logits(exported), trainer_v2, rtol=1e-4, atol=1e-4)
 
 
 def test_unknown_target_module_is_refused_naming_the_field_and_the_layers(tmp_path):

@@ -77,13 +77,36 @@ def adapter_pairs(folder: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     return {name: (pair["A"], pair["B"]) for name, pair in pairs.items()}
 
 
+def read_adapter(folder: str | Path) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, Any]]:
+    """(module name -> (A, B), config with its `scale`) of the adapter in `folder`."""
+    folder = Path(folder)
+    return adapter_pairs(folder), read_config(folder)
+
+
+def check_fits(name: str, a: torch.Tensor, b: torch.Tensor, weight: Any, config: dict, where: Path) -> None:
+    """WeightsError unless B @ A has the shape of the base weight it is added to."""
+    shape = (a.shape[1], b.shape[0]) if config.get("fan_in_fan_out") else (b.shape[0], a.shape[1])
+    if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != shape or a.shape[0] != b.shape[1]:
+        raise WeightsError(
+            f"load: adapter {where} for {name!r} (A {tuple(a.shape)}, B {tuple(b.shape)}) does not fit "
+            f"its base weight {tuple(weight.shape) if isinstance(weight, torch.Tensor) else None}"
+        )
+
+
+@torch.no_grad()
+def merged(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, config: dict) -> torch.Tensor:
+    """weight + scale * B @ A, summed in float32 and rounded once to the weight's dtype (a
+    bf16 base would otherwise round the delta as well)."""
+    a32, b32 = a.to(weight.device, torch.float32), b.to(weight.device, torch.float32)
+    delta = (b32 @ a32) * config["scale"]  # (out, in)
+    return (weight.float() + (delta.T if config.get("fan_in_fan_out") else delta)).to(weight.dtype)
+
+
 def merged_copy(base: torch.nn.Module, folder: str | Path) -> torch.nn.Module:
     """A copy of `base` serving the adapter in `folder`; `base` is left untouched. Raises
     WeightsError when the adapter does not fit the base (a module it lacks, a shape)."""
     folder = Path(folder)
-    config = read_config(folder)
-    pairs = adapter_pairs(folder)
-    fan_in_fan_out = bool(config.get("fan_in_fan_out"))
+    pairs, config = read_adapter(folder)
     targets: dict[str, torch.Tensor] = {}  # module name -> its base weight
     for name, (a, b) in pairs.items():
         try:
@@ -92,22 +115,28 @@ def merged_copy(base: torch.nn.Module, folder: str | Path) -> torch.nn.Module:
             raise WeightsError(
                 f"load: adapter {folder} adapts {name!r}, which the base model lacks"
             ) from None
-        weight = getattr(module, "weight", None)
-        shape = (b.shape[0], a.shape[1]) if not fan_in_fan_out else (a.shape[1], b.shape[0])
-        if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != shape or a.shape[0] != b.shape[1]:
-            raise WeightsError(
-                f"load: adapter {folder} for {name!r} (A {tuple(a.shape)}, B {tuple(b.shape)}) does not fit "
-                f"its base weight {tuple(weight.shape) if isinstance(weight, torch.Tensor) else None}"
-            )
-        targets[name] = weight
+        check_fits(name, a, b, getattr(module, "weight", None), config, folder)
+        targets[name] = module.weight
     adapted = {id(w) for w in targets.values()}
     shared = {id(t): t for t in [*base.parameters(), *base.buffers()] if id(t) not in adapted}
     model = copy.deepcopy(base, memo=shared)  # new tensors only for the adapted weights
     with torch.no_grad():
         for name, (a, b) in pairs.items():
             weight = model.get_submodule(name).weight
-            a32, b32 = a.to(weight.device, torch.float32), b.to(weight.device, torch.float32)
-            delta = (b32 @ a32) * config["scale"]  # (out, in)
-            # Summed in float32, rounded once: a bf16 base would otherwise round the delta too.
-            weight.copy_(weight.float() + (delta.T if fan_in_fan_out else delta))
+            weight.copy_(merged(weight, a, b, config))
     return model.eval()
+
+
+def merge_into_state(state: dict[str, torch.Tensor], folder: str | Path) -> dict[str, torch.Tensor]:
+    """The base state dict `state` with the adapter in `folder` merged in (a new dict; the
+    adapted tensors are new, the others shared), as `squall export` writes a LoRA version."""
+    folder = Path(folder)
+    pairs, config = read_adapter(folder)
+    out = dict(state)
+    for name, (a, b) in pairs.items():
+        key = f"{name}.weight"
+        if key not in state:
+            raise WeightsError(f"load: adapter {folder} adapts {name!r}, which the base model lacks")
+        check_fits(name, a, b, state[key], config, folder)
+        out[key] = merged(state[key], a, b, config)
+    return out

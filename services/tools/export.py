@@ -4,7 +4,8 @@ model folder, which `AutoModelForCausalLM.from_pretrained(OUT)` and `squall infe
 OUT gets the base model's files from model.path (config, generation config, tokenizer and
 chat template, any custom code) and the version's weights as the trainer published them
 (`{run.dir}/weights/v{N:06d}/`: its shards, checked against their index, or its one
-model.safetensors), as OUT/model.safetensors. The weights must
+model.safetensors; a LoRA version's adapter merged into the base model's weights, W + scale
+* B @ A, as inference serves it), as OUT/model.safetensors. The weights must
 name exactly the base model's tensors; a tied `lm_head.weight` (the trainer writes it as a
 copy of the embeddings) is left out, as `save_pretrained` does. config.json's dtype is set to
 the weights' dtype, so `dtype="auto"` loads what was trained. The folder is built under a
@@ -71,16 +72,18 @@ def has_chat_template(folder: Path) -> bool:
 
 def version_file(run_dir: str, version: int) -> Path:
     """The weights of `version` in the run folder; WeightsError listing those on disk when absent."""
+    from squall.shared.adapterfiles import ADAPTER_CONFIG
     from squall.shared.weightfiles import INDEX_FILE, version_dir
 
     folder = version_dir(run_dir, version)
-    if (folder / INDEX_FILE).exists():  # the sharded layout: the folder is the weights
+    if (folder / INDEX_FILE).exists() or (folder / ADAPTER_CONFIG).exists():  # the folder is the weights
         return folder
     path = folder / WEIGHTS_FILE
     if not path.exists():
         root = Path(run_dir) / "weights"
         have = sorted(
-            p.name for p in root.glob("v*") if (p / WEIGHTS_FILE).exists() or (p / INDEX_FILE).exists()
+            p.name for p in root.glob("v*")
+            if (p / WEIGHTS_FILE).exists() or (p / INDEX_FILE).exists() or (p / ADAPTER_CONFIG).exists()
         ) if root.is_dir() else []  # fmt: skip
         raise WeightsError(
             f"no weights for version {version} at {path}; on disk: {', '.join(have) or 'none'} "
@@ -89,22 +92,28 @@ def version_file(run_dir: str, version: int) -> Path:
     return path
 
 
-def _base_tensors(model_dir: Path) -> dict[str, str]:
-    """Tensor name -> dtype of the base model's safetensors (one file or an index of shards)."""
-    from safetensors import safe_open
-
+def _base_files(model_dir: Path) -> list[str]:
+    """The base model's safetensors files (one file or the shards its index names)."""
     index = model_dir / "model.safetensors.index.json"
     files = (
         sorted(set(json.loads(index.read_text())["weight_map"].values()))
         if index.exists()
         else [WEIGHTS_FILE]
     )
-    out: dict[str, str] = {}
     for name in files:
         if not (model_dir / name).exists():
             raise ConfigError(
                 f"model.path {model_dir} has no {name}: it must be a transformers folder with safetensors weights"
             )
+    return files
+
+
+def _base_tensors(model_dir: Path) -> dict[str, str]:
+    """Tensor name -> dtype of the base model's safetensors (one file or an index of shards)."""
+    from safetensors import safe_open
+
+    out: dict[str, str] = {}
+    for name in _base_files(model_dir):
         with safe_open(str(model_dir / name), framework="pt") as handle:
             out.update({key: handle.get_slice(key).get_dtype() for key in handle.keys()})  # noqa: SIM118
     return out
@@ -123,11 +132,20 @@ def _check_names(weights: dict[str, Any], base: set[str], tied: bool, source: Pa
     return weights
 
 
-def _read_weights(weights: Path) -> dict[str, Any]:
-    """The state dict in a safetensors file, or in a sharded version's folder (every shard
-    checked against the index's sha256)."""
+def _read_weights(weights: Path, base_dir: Path) -> dict[str, Any]:
+    """The state dict in a safetensors file, in a sharded version's folder (every shard
+    checked against the index's sha256), or of the base model with a LoRA version merged in."""
     from safetensors.torch import load_file
 
+    from squall.shared.adapterfiles import ADAPTER_CONFIG
+
+    if (weights / ADAPTER_CONFIG).exists():
+        from squall.inference.adapters import merge_into_state
+
+        base = {}
+        for name in _base_files(base_dir):
+            base.update(load_file(str(base_dir / name)))
+        return merge_into_state(base, weights)
     if weights.is_dir():
         from squall.inference.shardload import iter_shards
         from squall.shared.weightfiles import read_index
@@ -161,7 +179,7 @@ def export(
     if out.exists() and not force:
         raise ConfigError(f"{out} exists; choose another folder or pass --force to replace it")
     config = json.loads((base_dir / "config.json").read_text())
-    state = _read_weights(weights)
+    state = _read_weights(weights, base_dir)
     state = _check_names(
         state, set(_base_tensors(base_dir)), bool(config.get("tie_word_embeddings")), weights
     )
