@@ -1,7 +1,10 @@
 """Heartbeats: each live process's field in the hash `heartbeats`, written by one helper.
 
-A process is alive while its heartbeat is younger than `STALE_AFTER_S`; every reader (the run
-snapshot, the scheduler's standby logic, tests) uses that one constant. The field name is
+A process is alive while its heartbeat is younger than `STALE_AFTER_S` and not marked stopped;
+every reader (the run snapshot, the scheduler's standby logic, tests) goes through `is_alive`
+and `state_of`. A process that exits cleanly writes a last heartbeat with `stopped` set (its
+last version and counts kept), so views show it as *stopped* rather than alive until the
+heartbeat ages out, or as *gone* when it died without one. The field name is
 `<service>:<instance>` (`Heartbeat.hash_field`), the value flat JSON (`schemas.encode_heartbeat`).
 """
 
@@ -11,6 +14,7 @@ import os
 import time
 from typing import Any
 
+import msgspec
 import redis
 
 from . import schemas
@@ -21,7 +25,7 @@ STALE_AFTER_S = 15.0  # a heartbeat older than this marks its process as gone
 
 
 class HeartbeatWriter:
-    """Writes one process's heartbeat at most every `every_s` seconds, and removes it at exit."""
+    """Writes one process's heartbeat at most every `every_s` seconds, and marks it stopped at exit."""
 
     def __init__(
         self, r: Any, keys: Keys, service: schemas.ServiceName, instance: str, *, every_s: float = 2.0
@@ -30,12 +34,19 @@ class HeartbeatWriter:
         self.service, self.instance = service, instance
         self.field = f"{service}:{instance}"
         self.last = 0.0  # wall-clock time of the last write (0: never)
+        self.said: dict[str, Any] = {}  # the last beat's version, port and stats, repeated by `stop`
 
     def build(self, *, version: int = -1, metrics_port: int = 0, **stats: float) -> schemas.Heartbeat:
+        self.said = {"version": version, "metrics_port": metrics_port, **stats}
         return schemas.Heartbeat(
             run=self.keys.run, service=self.service, instance=self.instance, pid=os.getpid(),
             version=version, metrics_port=metrics_port, stats={k: float(v) for k, v in stats.items()},
         )  # fmt: skip
+
+    def _stopped_beat(self, stats: dict[str, float]) -> bytes:
+        said = {**self.said, **stats}
+        beat = self.build(**said)
+        return schemas.encode_heartbeat(msgspec.structs.replace(beat, stopped=beat.time))
 
     def due(self) -> bool:
         return time.time() - self.last >= self.every_s
@@ -55,8 +66,17 @@ class HeartbeatWriter:
         await self.r.hset(self.keys.heartbeats, self.field, schemas.encode_heartbeat(beat))
         self.last = beat.time
 
+    def stop(self, **stats: float) -> None:
+        """A clean exit: the last heartbeat, marked stopped (the last beat's fields, updated by
+        `stats`), so views show the process as stopped, not alive and not dead."""
+        self.r.hset(self.keys.heartbeats, self.field, self._stopped_beat(stats))
+
+    async def stop_async(self, **stats: float) -> None:
+        """`stop` on an asyncio Redis client."""
+        await self.r.hset(self.keys.heartbeats, self.field, self._stopped_beat(stats))
+
     def remove(self) -> None:
-        """A clean exit: the process is gone, not dead."""
+        """Forget the heartbeat altogether (`stop` is what a clean exit calls)."""
         self.r.hdel(self.keys.heartbeats, self.field)
 
 
@@ -74,4 +94,14 @@ def read_heartbeats(r: redis.Redis, keys: Keys) -> list[tuple[str, schemas.Heart
 
 
 def is_alive(beat: schemas.Heartbeat | None, now: float | None = None) -> bool:
-    return beat is not None and (now if now is not None else time.time()) - beat.time < STALE_AFTER_S
+    """Beating: not stopped, and younger than STALE_AFTER_S."""
+    return state_of(beat, now) == "alive"
+
+
+def state_of(beat: schemas.Heartbeat | None, now: float | None = None) -> str:
+    """`alive`, `stopped` (exited cleanly) or `gone` (stale, or undecodable: it died)."""
+    if beat is None:
+        return "gone"
+    if beat.stopped:
+        return "stopped"
+    return "alive" if (now if now is not None else time.time()) - beat.time < STALE_AFTER_S else "gone"

@@ -125,6 +125,12 @@ class Keys:
         return self.key_for("versions")
 
     @property
+    def data_end(self) -> str:
+        """Hash: the end-of-data handshake (shared.dataend): the scheduler's `scheduler_at`
+        (no training group is coming), the trainer's `trainer_version` (all trained, published)."""
+        return self.key_for("data_end")
+
+    @property
     def warnings(self) -> str:
         """Hash: `<kind>:<subject>` -> a RunWarning as JSON (shared.runwarnings), once per run."""
         return self.key_for("warnings")

@@ -8,11 +8,13 @@ read-only `monitor` ACL user holds (XLEN, XINFO GROUPS, XRANGE/XREVRANGE, HGETAL
 Parts of the snapshot, each read by one function below:
 - ledger: counts per state, `dispatched`, conservation (`balanced`) and attempts in flight;
 - streams: every stream's length, and each consumer group's lag, pending and consumers;
-- processes: every heartbeat, decoded as `schemas.Heartbeat`, alive by `heartbeat.is_alive`;
+- processes: every heartbeat, decoded as `schemas.Heartbeat`: alive, stopped (a clean exit)
+  or gone (stale or undecodable), by `heartbeat.state_of`;
 - versions: the `versions` hash (`trainer`, `inference:<node>`) and each node's distance behind;
 - rewards: `schemas.RewardPoint` messages of stream `rewards`, split into train and val;
 - metrics: trainer `schemas.Metrics` messages as one (step, value) series per name;
-- recent dead letters and events; the scheduler's cursor and its open groups;
+- recent dead letters and events; the scheduler's cursor and its open groups; the end-of-data
+  handshake (shared.dataend: the data ran out, the trainer's last version);
 - warnings: the run's `warnings` hash (shared.runwarnings), each raised once per run.
 
 A malformed entry (a reward or metrics entry that does not decode, a heartbeat that is not
@@ -30,7 +32,7 @@ from typing import Any
 
 import redis
 
-from . import schemas
+from . import dataend, schemas
 from .heartbeat import is_alive, read_heartbeats
 from .keys import Keys
 from .runwarnings import RunWarning, read_warnings
@@ -89,11 +91,18 @@ class ProcessState:
     beat: schemas.Heartbeat | None  # None when the field does not decode (see `error`)
     error: str  # why it did not decode ("" when it did)
     age_s: float | None  # seconds since its last beat (None: unknown)
-    alive: bool  # younger than heartbeat.STALE_AFTER_S
+    alive: bool  # not stopped, and younger than heartbeat.STALE_AFTER_S
 
     @property
     def service(self) -> str:
         return self.id.split(":", 1)[0]
+
+    @property
+    def state(self) -> str:
+        """`alive`, `stopped` (it exited cleanly) or `gone` (it died, or its beat is unreadable)."""
+        if self.alive:
+            return "alive"
+        return "stopped" if self.beat is not None and self.beat.stopped else "gone"
 
     def fields(self) -> dict[str, Any]:
         """What the process said, flat, as it stands in Redis: pid, version, port, its stats."""
@@ -172,6 +181,7 @@ class RunSnapshot:
     events: list[schemas.Event]  # newest first
     scheduler: dict[str, str]  # the scheduler's cursor hash (epoch, samples, paused...)
     open_groups: int  # fields of the `groups` hash
+    end: dataend.DataEnd | None = None  # the end-of-data handshake (None: not read)
     skipped: dict[str, int] = field(default_factory=dict)  # part -> malformed entries left out
     warnings: list[RunWarning] = field(default_factory=list)  # oldest first
 
@@ -181,6 +191,11 @@ class RunSnapshot:
 
     def group(self, stream: str, group: str) -> GroupState | None:
         return next((g for g in self.groups if g.stream == stream and g.group == group), None)
+
+    @property
+    def finished(self) -> bool:
+        """The scheduler finished the run (its cursor's `finished`)."""
+        return self.scheduler.get("finished") == "1"
 
     def alive(self, service: str | None = None) -> list[ProcessState]:
         return [p for p in self.processes if p.alive and (service is None or p.service == service)]
@@ -336,6 +351,7 @@ def read_snapshot(
         events=read_events(r, keys, recent),
         scheduler={_text(k): _text(v) for k, v in r.hgetall(keys.scheduler_state).items()},  # type: ignore[union-attr]
         open_groups=int(r.hlen(keys.groups)),  # type: ignore[arg-type]
+        end=dataend.read(r, keys),
         warnings=read_warnings(r, keys, skipped),
         skipped=skipped,
     )

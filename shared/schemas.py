@@ -236,10 +236,11 @@ ServiceName = Literal["scheduler", "runner", "trainer", "inference", "worker", "
 
 
 class Heartbeat(Message, kw_only=True, tag="heartbeat"):
-    """A live process's last word: field `<service>:<instance>` of the hash `heartbeats`.
+    """A process's last word: field `<service>:<instance>` of the hash `heartbeats`.
 
     Stored as flat JSON (`encode_heartbeat`) so `redis-cli HGETALL` shows it as it is: the
-    fields below plus `stats`' entries at top level. A stale `time` means a dead process.
+    fields below plus `stats`' entries at top level. A stale `time` means a dead process; a
+    non-zero `stopped` one that exited cleanly.
     """
 
     service: ServiceName
@@ -249,13 +250,14 @@ class Heartbeat(Message, kw_only=True, tag="heartbeat"):
     version: int = -1  # weight version the process holds or last saw (-1: none)
     metrics_port: int = 0  # where its /metrics listens (0: none)
     stats: dict[str, float] = {}  # service-specific counters and gauges (open_groups, busy...)
+    stopped: float = 0.0  # wall clock of a clean exit (0: still running); `time` is its last beat
 
     @property
     def hash_field(self) -> str:
         return f"{self.service}:{self.instance}"
 
 
-_HEARTBEAT_FIELDS = ("service", "instance", "time", "pid", "version", "metrics_port")
+_HEARTBEAT_FIELDS = ("service", "instance", "time", "pid", "version", "metrics_port", "stopped")
 
 
 def encode_heartbeat(beat: Heartbeat) -> bytes:

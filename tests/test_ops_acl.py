@@ -20,7 +20,8 @@ from redis.retry import Retry
 
 from squall.monitor import acl
 from squall.monitor.state import snapshot
-from squall.shared import bus, schemas
+from squall.shared import bus, dataend, schemas
+from squall.shared.heartbeat import read_heartbeats
 from squall.shared.keys import GROUP_RUNNERS, GROUP_SCHEDULER, GROUP_TRAINER, Keys
 from squall.shared.ledger import Ledger
 from squall.shared.localredis import find_server_binary, free_port
@@ -189,6 +190,11 @@ def test_scheduler_can_do_its_job(users):
     assert bus.trim_acknowledged(r, K.tasks, K.groups_of(K.tasks)) == 0  # runners have not acked
     assert r.xinfo_groups(K.tasks)[0]["lag"] == 4
     bus.dead_letter(r, K.deadletter, source=K.tasks, entry_id="1-0", reason="test", raw=b"x")
+    # the end-of-data handshake: announce, settle without an answer, clear on a resume
+    assert dataend.announce_data_end(r, K, samples=4) and not dataend.announce_data_end(r, K, samples=4)
+    dataend.settle_unconfirmed(r, K, 0)
+    assert dataend.read(r, K).end_version == 0 and read_heartbeats(r, K)
+    dataend.clear(r, K)
 
 
 def test_runner_can_do_its_job(users):
@@ -272,6 +278,10 @@ def test_trainer_can_do_its_job(users):
     assert r.xrevrange(K.weights, count=1) and r.xrange(K.weights_applied) == []
     r.xinfo_groups(K.trajectories)
     r.hset(K.heartbeats, "trainer:0", '{"time": 1}')
+    users["scheduler"].hset(K.data_end, "scheduler_at", 1.0)
+    assert dataend.read(r, K).owed_by_trainer  # the end-of-data handshake: read it, answer it
+    dataend.announce_trained(r, K, version=1, step=1)
+    assert dataend.read(r, K).end_version == 1
 
 
 def test_inference_can_do_its_job(users):

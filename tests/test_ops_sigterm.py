@@ -109,6 +109,8 @@ class Run:
         for field, raw in self.r.hgetall(self.keys.heartbeats).items():
             if field.decode().startswith(f"{service}:"):
                 beat = json.loads(raw)
+                if beat.get("stopped"):
+                    continue  # a process that exited cleanly, not one that started
                 if pid is None or beat.get("pid") == pid:
                     return beat
         return None

@@ -14,6 +14,7 @@ from runner_helpers import Procs, dispatch, log_of, trajectories
 from waiting import wait_for
 
 from squall.shared import bus, schemas
+from squall.shared.heartbeat import state_of
 from squall.shared.keys import Keys
 from squall.shared.ledger import Ledger
 from squall.shared.localredis import LocalRedis
@@ -91,7 +92,10 @@ def test_sigterm_finishes_short_attempts_and_hands_back_long_ones(r, run_name, p
     assert [t.task_id for t in trajs] == ["g0:0"]  # the short one finished within the grace period
     pending = r.xpending_range(keys.tasks, "runners", "-", "+", 10)
     assert len(pending) == 1 and pending[0]["time_since_delivered"] >= 60_000  # handed back: reclaimable now
-    assert r.hlen(keys.heartbeats) == 0  # a stopped runner removes its heartbeat
+    # A stopped runner marks its heartbeat stopped (not alive, not dead), nothing in hand.
+    ((field, raw),) = r.hgetall(keys.heartbeats).items()
+    beat = schemas.decode_heartbeat(field, raw, run_name)
+    assert beat.stopped > 0 and beat.stats["busy"] == 0 and state_of(beat) == "stopped"
 
 
 def test_delivery_limit_gives_up_with_a_failed_trajectory(r, run_name, procs):

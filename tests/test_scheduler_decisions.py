@@ -97,15 +97,15 @@ def test_exhausted(samples, max_samples, epoch, epochs, rows, expected):
 
 def test_finished():
     rolling, held = group(rolled_out=False), group(rolled_out=True)
-    assert admission.finished([], draining=False, exhausted=True, final_val_due=False)
-    assert admission.finished(
-        [held], draining=False, exhausted=True, final_val_due=False
-    )  # the trainer's now
-    assert not admission.finished([rolling], draining=False, exhausted=True, final_val_due=False)
-    assert not admission.finished([], draining=False, exhausted=False, final_val_due=False)
-    assert not admission.finished([], draining=False, exhausted=True, final_val_due=True)  # one round owed
-    assert admission.finished([held], draining=True, exhausted=False, final_val_due=True)  # drain: at once
-    assert not admission.finished([rolling], draining=True, exhausted=False, final_val_due=False)
+    assert admission.finished([], draining=False, exhausted=True, end_owed=False)
+    assert admission.finished([held], draining=False, exhausted=True, end_owed=False)  # the trainer's
+    assert not admission.finished([rolling], draining=False, exhausted=True, end_owed=False)
+    assert not admission.finished([], draining=False, exhausted=False, end_owed=False)
+    assert not admission.finished([], draining=False, exhausted=True, end_owed=True)  # trainer or round owed
+    assert admission.finished([held], draining=True, exhausted=False, end_owed=True)  # drain: at once
+    assert not admission.finished([rolling], draining=True, exhausted=False, end_owed=False)
+    assert admission.train_rolled_out([held, group(mode="val", rolled_out=False)])
+    assert not admission.train_rolled_out([held, rolling])
 
 
 # --- outcomes ---------------------------------------------------------------------------
@@ -151,30 +151,39 @@ def test_only_complete_train_groups_are_held():
 
 # --- validation -------------------------------------------------------------------------
 VAL_ROUNDS = [
-    # (val_every, has_val, round_open, last_val_version, version, final, due)
-    (0, True, False, -1, 0, False, False),  # validation off
-    (2, False, False, -1, 0, False, False),  # no validation data
-    (2, True, False, -1, 0, False, True),  # the first round at once
-    (2, True, True, -1, 0, False, False),  # one round at a time
-    (2, True, False, 0, 1, False, False),
-    (2, True, False, 0, 2, False, True),  # every 2 versions
-    (2, True, False, 0, 1, True, True),  # out of data: a last round on the newest version
-    (2, True, True, 0, 1, True, False),
+    # (val_every, has_val, round_open, last_val_version, version, due)
+    (0, True, False, -1, 0, False),  # validation off
+    (2, False, False, -1, 0, False),  # no validation data
+    (2, True, False, -1, 0, True),  # the first round at once
+    (2, True, True, -1, 0, False),  # one round at a time
+    (2, True, False, 0, 1, False),
+    (2, True, False, 0, 2, True),  # every 2 versions
 ]
 
 
-@pytest.mark.parametrize(("every", "has_val", "open_", "last", "version", "final", "due"), VAL_ROUNDS)
-def test_validation_round_due(every, has_val, open_, last, version, final, due):
+@pytest.mark.parametrize(("every", "has_val", "open_", "last", "version", "due"), VAL_ROUNDS)
+def test_validation_round_due(every, has_val, open_, last, version, due):
     got = validation.val_round_due(val_every=every, has_val=has_val, round_open=open_, last_val_version=last,
-                                   version=version, final=final)  # fmt: skip
+                                   version=version)  # fmt: skip
     assert got is due
 
 
-def test_final_validation_due_only_on_a_newer_version():
-    due = dict(val_at_end=True, val_every=2, has_val=True)
-    assert validation.final_val_due(**due, last_val_version=3, version=4)
-    assert not validation.final_val_due(**due, last_val_version=4, version=4)
-    assert not validation.final_val_due(**{**due, "val_at_end": False}, last_val_version=3, version=4)
+END_ROUNDS = [
+    # (val_at_end, round_open, last_val_version, end_version, owed, due)
+    (True, False, 3, None, True, False),  # the trainer's last version is not known yet: wait
+    (True, False, 3, 5, True, True),  # known: one round on it
+    (True, True, 3, 5, True, False),  # after the round still open
+    (True, False, 5, 5, False, False),  # a round already measured that very version: once
+    (False, False, 3, 5, False, False),  # no end round asked for: only the trainer's answer is owed
+    (False, False, 3, None, True, False),
+]
+
+
+@pytest.mark.parametrize(("at_end", "open_", "last", "end", "owed", "due"), END_ROUNDS)
+def test_end_round_only_on_the_trainers_last_version(at_end, open_, last, end, owed, due):
+    common = dict(val_at_end=at_end, val_every=2, has_val=True, last_val_version=last, end_version=end)
+    assert validation.end_owed(**common) is owed
+    assert validation.end_round_due(**common, round_open=open_) is due
     assert validation.round_open([group(mode="val")]) and not validation.round_open([group()])
 
 

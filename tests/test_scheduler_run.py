@@ -13,7 +13,7 @@ from runner_helpers import SQUALL, Procs, events, log_of, tasks, trajectories, w
 from waiting import wait_for
 
 from squall.scheduler.scheduler import Scheduler
-from squall.scheduler.status import collect
+from squall.scheduler.status import collect, render
 from squall.shared import bus, schemas
 from squall.shared.config import load_config
 from squall.shared.keys import Keys
@@ -183,7 +183,7 @@ def test_rolled_out_groups_are_held_until_the_trainer_consumed_them(r, redis_url
     data = write_jsonl(tmp_path / "d.jsonl", [{"id": i} for i in range(6)])
     config = make_config(redis_url, run_name, data, group_size=2, max_inflight_groups=2, hold_until_trained=True,
                          trainer={"groups_per_step": 1},
-                         poll_s=0.05)  # fmt: skip
+                         poll_s=0.05, end_wait_s=1.0)  # fmt: skip
     sched = Scheduler(config, r)
     keys, ledger = Keys(run_name), Ledger(r, Keys(run_name))
     sched.step()
@@ -203,10 +203,18 @@ def test_rolled_out_groups_are_held_until_the_trainer_consumed_them(r, redis_url
         if r.xlen(keys.tasks) < 12:
             ledger.move(done, "trained")
         steps += 1
-        assert steps < 50
-    assert len(sched.groups) == 2 and all(g.rolled_out for g in sched.groups.values())  # finished, still held
+        assert steps < 500
+    # No trainer ever answered the end of the data: the scheduler waited end_wait_s for one
+    # (held groups are a trainer's to consume), then finished, still holding them.
+    assert len(sched.groups) == 2 and all(g.rolled_out for g in sched.groups.values())
+    (unconfirmed,) = events(r, run_name, "end_unconfirmed")
+    assert "no answer from the trainer within end_wait_s=1" in unconfirmed.fields["reason"]
+    assert unconfirmed.fields["waited_s"] >= 1.0
     assert [e.fields["reason"] for e in events(r, run_name, "finished")] == ["dataset_exhausted"]
     assert ledger.balanced()
+    status = collect(r, run_name)  # shown as what they are: held, not open
+    assert status["finished"] and status["open_groups"] == 2
+    assert "held_groups=2 (rolled out, never consumed by a trainer)" in render(status)
 
 
 def test_control_pause_resume_drain(r, redis_url, run_name, tmp_path):

@@ -135,6 +135,11 @@ class InferenceNode:
                 follow_task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await follow_task
+            if (
+                self.follower is not None and self.failure is None and sys.exc_info()[0] is None
+            ):  # a clean stop
+                with contextlib.suppress(Exception):  # Redis gone: the heartbeat ages out instead
+                    await self.follower.beats.stop_async(version=engine.weight_version)
             if redis_client is not None:
                 await redis_client.aclose()
             await engine.stop()

@@ -42,7 +42,7 @@ def _ledger(ledger: runstate.LedgerState) -> dict[str, Any]:
 def _heartbeats(snap: runstate.RunSnapshot) -> list[dict[str, Any]]:
     return [
         {"id": p.id, "service": p.service, "age_s": round(p.age_s, 1) if p.age_s is not None else None,
-         "alive": p.alive, "fields": p.fields()}
+         "alive": p.alive, "state": p.state, "fields": p.fields()}
         for p in snap.processes
     ]  # fmt: skip
 

@@ -14,7 +14,8 @@ Parts (wired here):
 - `agents`     the agent contract and the reward; `gateway` the local LLM endpoint;
 - `trainwatch` a `train_agents` entry no call uses is recorded once per run (shared.runwarnings)
                and logged by the runner whose record went in;
-- heartbeat    `runner:<id>` in Keys.heartbeats every `heartbeat_s` (shared.heartbeat).
+- heartbeat    `runner:<id>` in Keys.heartbeats every `heartbeat_s`, marked stopped at a clean
+               exit (shared.heartbeat).
 An entry delivered more than `max_deliveries` times (runners kept dying on it) finishes as
 failed without running; the scheduler then retries or dead-letters it.
 A Redis outage pauses every loop and every finish until Redis answers again (shared.retry,
@@ -161,8 +162,8 @@ class Runner:
         await self.gateway.stop()
         health.close()
         if self.fatal is not None:
-            raise self.fatal  # Redis is gone: no heartbeat to remove, no entry to hand back
-        await asyncio.to_thread(self.heartbeat.remove)
+            raise self.fatal  # Redis is gone: no heartbeat to mark, no entry to hand back
+        await asyncio.to_thread(self.heartbeat.stop, busy=0)
         self.log.info("runner_stopped", seconds=round(time.monotonic() - started, 3), **self.counts)
         return 0
 

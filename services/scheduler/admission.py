@@ -48,13 +48,19 @@ def exhausted(*, samples: int, max_samples: int, epoch: int, epochs: int, train_
     return epoch >= epochs or not train_rows
 
 
-def finished(groups: Iterable[Group], *, draining: bool, exhausted: bool, final_val_due: bool) -> bool:
+def finished(groups: Iterable[Group], *, draining: bool, exhausted: bool, end_owed: bool) -> bool:
     """The run is over for the scheduler: nothing more goes out and no group is rolling out.
 
-    Held groups (rolled out, waiting for the trainer) are the trainer's now and do not count.
-    Draining stops at once; otherwise a last validation round may still be owed.
+    Held groups (rolled out, waiting for the trainer) are the trainer's and do not count.
+    Draining stops at once; otherwise the end may still be owed something: the trainer's last
+    version (it trains what it holds) and the validation round on it (validation.end_owed).
     """
     rolling = any(not g.rolled_out for g in groups)
     if draining:
         return not rolling
-    return exhausted and not rolling and not final_val_due
+    return exhausted and not rolling and not end_owed
+
+
+def train_rolled_out(groups: Iterable[Group]) -> bool:
+    """Every training group dispatched has rolled out: all its trajectories are on the stream."""
+    return all(g.rolled_out for g in groups if g.mode == "train")

@@ -54,6 +54,8 @@ def classify_others(
         if other_host == host and pid.isdigit() and not pid_alive(int(pid)):
             dead.append(name)
             continue
+        if beat is not None and beat.stopped:
+            continue  # exited cleanly: neither leading nor about to
         age = now - beat.time if beat is not None else float("inf")
         if age < standby_after_s:
             live = name

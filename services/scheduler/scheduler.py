@@ -10,10 +10,16 @@ Parts (one module each; `Scheduler` below wires them, and none imports this modu
 - `dispatch`    `Dispatcher`: a group's tasks + ledger `dispatch` moves in one MULTI/EXEC;
 - `outcomes`    pure `decide_outcome` (duplicate / ok / retry / give up) and `Outcomes`, which
                 records one in one MULTI/EXEC (with a train group's reward point);
-- `validation`  pure `val_round_due`, and `Validation`, which opens and closes rounds;
+- `validation`  pure `val_round_due` / `end_round_due`, and `Validation`, which opens and
+                closes rounds;
 - `control`     pause / resume / drain / limits from the `control` stream;
 - `trimming`    `Trimmer`: acknowledged `tasks`/`trajectories` entries, long-dead heartbeats;
 - `report`      events and reward points (`schemas.RewardPoint` on `rewards`).
+
+The end of the data (shared/dataend.py): once the data ran out and every training group rolled
+out, the scheduler tells the trainer, which trains what it still holds (a last, smaller step)
+and answers with its last published version; the scheduler waits for that answer (at most
+`end_wait_s`, and only while a trainer may give it), validates that version once, and finishes.
 
 Crash safety: every step that changes the run is ONE MULTI/EXEC — a dispatch is the XADDs of
 its tasks + the ledger moves to `pending` + the group record + the cursor; an outcome is the
@@ -46,9 +52,9 @@ from typing import TypeVar
 
 import redis
 
-from squall.shared import bus, schemas
+from squall.shared import bus, dataend, schemas
 from squall.shared.config import RunConfig
-from squall.shared.heartbeat import HeartbeatWriter
+from squall.shared.heartbeat import HeartbeatWriter, read_heartbeats, state_of
 from squall.shared.keys import GROUP_RUNNERS, GROUP_SCHEDULER, Keys
 from squall.shared.ledger import Ledger
 from squall.shared.logs import get_logger
@@ -98,6 +104,7 @@ class Scheduler:
         self.groups: dict[str, Group] = {}
         self._order: list[int] | None = None
         self.lost_lead = False  # step() saw a newer leader epoch
+        self.data_end_told = False  # the trainer was told no training group is coming
         self.counts = {
             "dispatched_groups": 0,
             "outcomes": 0,
@@ -216,20 +223,66 @@ class Scheduler:
         return True
 
     def maybe_validate(self, version: int) -> bool:
-        """Dispatch a validation round when one is due (see validation.val_round_due)."""
+        """Dispatch a validation round when one is due: periodic while training data is left
+        (validation.val_round_due), then only the end round (validation.end_round_due)."""
         if self.cursor.paused or self.cursor.draining:
             return False
-        last = self.cursor.last_val_version
-        due = validation.val_round_due(
-            val_every=self.section.val_every, has_val=bool(self.splits.val),
-            round_open=validation.round_open(self.groups.values()), last_val_version=last, version=version,
-            final=self.section.val_at_end and self.exhausted and version > last,
-        )  # fmt: skip
-        if not due:
+        common = dict(val_every=self.section.val_every, has_val=bool(self.splits.val),
+                      round_open=validation.round_open(self.groups.values()),
+                      last_val_version=self.cursor.last_val_version)  # fmt: skip
+        at: int | None = version
+        if self.exhausted:
+            at = self.end_version()
+            due = validation.end_round_due(**common, val_at_end=self.section.val_at_end, end_version=at)
+        else:
+            due = validation.val_round_due(**common, version=version)
+        if not due or at is None:
             return False
-        cursor, new = self.validation.start(self.splits.val, self.cursor, version)
+        cursor, new = self.validation.start(self.splits.val, self.cursor, at, end=self.exhausted)
         self._committed(cursor, new)
         return True
+
+    # --- the end of the data ----------------------------------------------------------------
+    def note_data_end(self) -> None:
+        """Out of data, every training group rolled out: tell the trainer (shared/dataend)."""
+        if self.data_end_told or not self.exhausted or not admission.train_rolled_out(self.groups.values()):
+            return
+        if dataend.announce_data_end(self.r, self.keys, self.cursor.samples):
+            held = sum(g.mode == "train" for g in self.groups.values())
+            report.event(self.r, self.keys, "data_end", samples=self.cursor.samples, held_groups=held)
+            self.log.info("data_end", samples=self.cursor.samples, held_groups=held)
+        self.data_end_told = True
+
+    def end_version(self) -> int | None:
+        """The version the end-of-run validation measures: the trainer's last one once it has
+        answered; None while it may still be training what it holds. With no trainer to wait
+        for, or past `end_wait_s`, the newest published version (an `end_unconfirmed` event)."""
+        end = dataend.read(self.r, self.keys)
+        if end.scheduler_at is None or end.end_version is not None:
+            return end.end_version
+        waited = time.time() - end.scheduler_at
+        expected = self._trainer_expected()
+        if expected and waited < self.section.end_wait_s:
+            return None
+        version = self.trainer_version()
+        dataend.settle_unconfirmed(self.r, self.keys, version)
+        reason = f"no answer from the trainer within end_wait_s={self.section.end_wait_s:g}" if expected \
+            else "no trainer to wait for"  # fmt: skip
+        report.event(
+            self.r, self.keys, "end_unconfirmed", version=version, reason=reason, waited_s=round(waited, 1)
+        )
+        level = self.log.warning if expected else self.log.info  # no trainer: a rollout-only run
+        level("end_unconfirmed", version=version, reason=reason, waited_s=round(waited, 1))
+        return version
+
+    def _trainer_expected(self) -> bool:
+        """Is an answer worth waiting for? A trainer beats, or died (it may be restarted); or,
+        with no trainer heartbeat at all, training groups are held for one. A trainer that
+        stopped cleanly answers nothing more."""
+        beats = [beat for name, beat, _ in read_heartbeats(self.r, self.keys) if name.startswith("trainer:")]
+        if beats:
+            return any(state_of(beat) != "stopped" for beat in beats)
+        return any(g.mode == "train" for g in self.groups.values())
 
     # --- outcomes -----------------------------------------------------------------------
     def handle(self, delivery: bus.Delivery) -> None:
@@ -275,14 +328,16 @@ class Scheduler:
 
     @property
     def finished(self) -> bool:
-        """Out of data (or drained) and every group rolled out; held groups are the trainer's now."""
+        """Drained with every group rolled out, or out of data with the end settled: the
+        trainer's last version known and validated (see end_version)."""
+        end_owed = self.exhausted and not self.cursor.draining and self._end_owed()
         return admission.finished(self.groups.values(), draining=bool(self.cursor.draining),
-                                  exhausted=self.exhausted, final_val_due=self._final_val_due())  # fmt: skip
+                                  exhausted=self.exhausted, end_owed=end_owed)  # fmt: skip
 
-    def _final_val_due(self) -> bool:
-        return validation.final_val_due(
+    def _end_owed(self) -> bool:
+        return validation.end_owed(
             val_at_end=self.section.val_at_end, val_every=self.section.val_every, has_val=bool(self.splits.val),
-            last_val_version=self.cursor.last_val_version, version=self.trainer_version(),
+            last_val_version=self.cursor.last_val_version, end_version=self.end_version(),
         )  # fmt: skip
 
     def step(self) -> bool:
@@ -296,6 +351,7 @@ class Scheduler:
         self.maybe_validate(version)
         while self.dispatch_train(version):
             pass
+        self.note_data_end()
         if self.finished:
             self._finish()
             return False
@@ -351,6 +407,8 @@ class Scheduler:
 
     def _start(self) -> None:
         self.started = time.monotonic()
+        if not self.exhausted:  # data left (a resumed run, more epochs): no end is announced
+            dataend.clear(self.r, self.keys)
         self.log.info("scheduler_started", train=len(self.splits.train), val=len(self.splits.val),
                       metrics_port=self.metrics_port, open_groups=len(self.groups), epoch=self.cursor.epoch,
                       position=self.cursor.position, leader_epoch=self.token)  # fmt: skip
@@ -361,7 +419,7 @@ class Scheduler:
         self.lost_lead = False
 
     def _stopped(self, signum: int) -> None:
-        self.heartbeat.remove()
+        self.heartbeat.stop(open_groups=len(self.groups))
         report.event(self.r, self.keys, "stopped", signal=signum, open_groups=len(self.groups))
         self.log.info("scheduler_stopped", signal=signum, open_groups=len(self.groups), **self.counts)
 
@@ -369,7 +427,9 @@ class Scheduler:
         reason = "drained" if self.cursor.draining else "dataset_exhausted"
         self.cursor.finished = 1
         self.r.hset(self.keys.scheduler_state, "finished", "1")
-        report.event(self.r, self.keys, "finished", reason=reason, samples=self.cursor.samples, **self.counts)
-        self.heartbeat.remove()
-        self.log.info("scheduler_finished", reason=reason, samples=self.cursor.samples,
-                      seconds=round(time.monotonic() - self.started, 3), **self.counts)  # fmt: skip
+        end = {} if self.cursor.draining else {"end_version": self.end_version()}
+        report.event(self.r, self.keys, "finished", reason=reason, samples=self.cursor.samples, open_groups=len(self.groups),
+                     **end, **self.counts)  # fmt: skip
+        self.heartbeat.stop(open_groups=len(self.groups))
+        self.log.info("scheduler_finished", reason=reason, samples=self.cursor.samples, open_groups=len(self.groups),
+                      seconds=round(time.monotonic() - self.started, 3), **end, **self.counts)  # fmt: skip

@@ -8,6 +8,7 @@ and each inference node's weight version, open groups, and the recent rewards.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any
@@ -38,7 +39,7 @@ def _processes(snap: Any) -> dict[str, Any]:
     for p in snap.processes:
         beat_time = p.beat.time if p.beat is not None else None
         age = round(p.age_s, 1) if p.age_s is not None else None
-        out[p.id] = {"time": beat_time, **p.fields(), "age_s": age, "alive": p.alive}
+        out[p.id] = {"time": beat_time, **p.fields(), "age_s": age, "alive": p.alive, "state": p.state}
     return out
 
 
@@ -69,6 +70,8 @@ def collect(r: Any, run: str, rewards: int = 10) -> dict[str, Any]:
         "runners_alive": len(snap.alive("runner")),
         "versions": snap.versions.raw,
         "open_groups": snap.open_groups,
+        "finished": snap.finished,
+        "end": dataclasses.asdict(snap.end) if snap.end is not None else None,
         "scheduler": snap.scheduler,
         "rewards": _rewards(snap, rewards),
         "skipped": snap.skipped,
@@ -93,17 +96,24 @@ def render(status: dict[str, Any]) -> str:
         lines.append(f"  {name:<16} {info['length']:>8}  {groups}")
     lines.append(f"processes  ({status['runners_alive']} runners alive)")
     for name, body in sorted(status["processes"].items()):
-        state = "alive" if body["alive"] else "GONE"
-        extra = {k: v for k, v in body.items() if k not in ("time", "age_s", "alive")}
+        state = {"alive": "alive", "stopped": "stopped"}.get(body.get("state", ""), "GONE")
+        extra = {k: v for k, v in body.items() if k not in ("time", "age_s", "alive", "state", "stopped")}
         age = "-" if body["age_s"] is None else body["age_s"]
-        lines.append(f"  {name:<40} {state:<5} {age:>7}s ago  {json.dumps(extra)[:120]}")
+        lines.append(f"  {name:<40} {state:<7} {age:>7}s ago  {json.dumps(extra)[:120]}")
     versions = "  ".join(f"{k}={v}" for k, v in sorted(status["versions"].items())) or "(none yet)"
     lines.append(f"versions   {versions}")
     sched = status["scheduler"]
     lines.append(
-        f"scheduler  epoch={sched.get('epoch', '-')} samples={sched.get('samples', '-')} "
-        f"open_groups={status['open_groups']} paused={sched.get('paused', '0')} draining={sched.get('draining', '0')}"
+        f"scheduler  epoch={sched.get('epoch', '-')} samples={sched.get('samples', '-')} {_groups_word(status)} "
+        f"paused={sched.get('paused', '0')} draining={sched.get('draining', '0')}"
+        + (" finished" if status.get("finished") else "")
     )
+    end = status.get("end") or {}
+    if end.get("scheduler_at") is not None:
+        answer = "training what it holds" if end.get("trainer_version") is None else (
+            f"last version v{end['trainer_version']} (step {end['trainer_step']})"
+        )  # fmt: skip
+        lines.append(f"end        data ran out ({end['samples']} samples); trainer: {answer}")
     lines.append("rewards    " + ("(none yet)" if not status["rewards"] else ""))
     for p in status["rewards"]:
         lines.append(f"  v{p['version']:<5} {p['mode']:<5} mean={p['mean']:.4f}  n={p['count']}")
@@ -113,6 +123,13 @@ def render(status: dict[str, Any]) -> str:
 
         lines.append(format_summary(tools))
     return "\n".join(lines)
+
+
+def _groups_word(status: dict[str, Any]) -> str:
+    """Open groups; once the run finished, those left are held groups no trainer consumed."""
+    if status.get("finished") and status["open_groups"]:
+        return f"held_groups={status['open_groups']} (rolled out, never consumed by a trainer)"
+    return f"open_groups={status['open_groups']}"
 
 
 def main(args: argparse.Namespace) -> int:

@@ -2,8 +2,10 @@
 
 One round is open at a time; its groups are `val` groups (no training, ledger ok -> validated),
 their rewards are summed in the cursor, and when the last one settles the round's mean becomes
-one `val` RewardPoint. When the training data runs out a last round on the newest version is
-owed (`val_at_end`), so a run ends measured.
+one `val` RewardPoint. Once the training data has run out no periodic round starts: the end
+round (`val_at_end`) waits for the trainer's last version (shared/dataend.py: everything
+trained, the last partial step included, and published) and measures exactly that one, once,
+so a run ends measured on its final weights.
 """
 
 from __future__ import annotations
@@ -23,25 +25,44 @@ from .dispatch import Dispatcher, new_group
 from .groups import Group
 
 
-def final_val_due(
-    *, val_at_end: bool, val_every: int, has_val: bool, last_val_version: int, version: int
+def end_owed(
+    *, val_at_end: bool, val_every: int, has_val: bool, last_val_version: int, end_version: int | None
 ) -> bool:
-    """A last validation round is owed on `version`, the newest one."""
-    return val_at_end and bool(val_every) and has_val and last_val_version < version
+    """Is the run's end still owed something? The trainer's last version is not known yet
+    (`end_version` None), or the end round on it has not run (a round on that very version
+    before, periodic or not, already measured it)."""
+    if end_version is None:
+        return True
+    return val_at_end and bool(val_every) and has_val and last_val_version < end_version
 
 
 def val_round_due(
-    *, val_every: int, has_val: bool, round_open: bool, last_val_version: int, version: int, final: bool
+    *, val_every: int, has_val: bool, round_open: bool, last_val_version: int, version: int
 ) -> bool:
-    """Dispatch a validation round at `version` now? (`final`: a last round is owed.)
+    """Dispatch a periodic validation round at `version` now (while training data is left)?
 
     The first round goes out at once, then one every `val_every` versions, one at a time.
     """
     if not val_every or not has_val or round_open:
         return False
-    if last_val_version < 0 or final:
-        return True
-    return version >= last_val_version + val_every
+    return last_val_version < 0 or version >= last_val_version + val_every
+
+
+def end_round_due(
+    *,
+    val_at_end: bool,
+    val_every: int,
+    has_val: bool,
+    round_open: bool,
+    last_val_version: int,
+    end_version: int | None,
+) -> bool:
+    """Dispatch the end round now? Only on the trainer's last version, once it is known, after
+    any round still open, and not when a round already measured that version."""
+    if end_version is None or round_open:
+        return False
+    return end_owed(val_at_end=val_at_end, val_every=val_every, has_val=has_val,
+                    last_val_version=last_val_version, end_version=end_version)  # fmt: skip
 
 
 def round_open(groups: Iterable[Group]) -> bool:
@@ -56,8 +77,11 @@ class Validation:
     ) -> None:
         self.r, self.keys, self.section, self.dispatcher, self.log = r, keys, section, dispatcher, log
 
-    def start(self, samples: list[Sample], cursor: Cursor, version: int) -> tuple[Cursor, list[Group]]:
-        """Dispatch one round on `version`; returns the committed cursor and the round's groups."""
+    def start(
+        self, samples: list[Sample], cursor: Cursor, version: int, *, end: bool = False
+    ) -> tuple[Cursor, list[Group]]:
+        """Dispatch one round on `version` (`end`: the end-of-run round); returns the committed
+        cursor and the round's groups."""
         cursor = cursor.copy()
         cursor.val_round += 1
         cursor.last_val_version = version
@@ -66,7 +90,7 @@ class Validation:
         groups = [new_group(cursor, s, "val", self.section.val_group_size, version) for s in chosen]
         self.dispatcher.commit(groups, cursor, version)
         report.event(self.r, self.keys, "val_round_dispatched", round=cursor.val_round, version=version,
-                     groups=len(groups))  # fmt: skip
+                     groups=len(groups), end=end)  # fmt: skip
         return cursor, groups
 
     def close(self, cursor: Cursor) -> None:

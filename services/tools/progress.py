@@ -31,6 +31,7 @@ def render(snap: RunSnapshot) -> dict[str, Any]:
         "tokens_per_s": snap.metrics.latest("tokens_per_s", "throughput/tokens_per_s"),
         "train_reward": sum(p.mean for p in recent) / len(recent) if recent else float("nan"),
         "warnings": [w.message for w in snap.warnings],  # each raised once per run
+        "last_version": snap.end.trainer_version if snap.end is not None else None,  # trainer's, at data end
     }
 
 

@@ -34,6 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--inference-nodes", type=int, default=1, help="inference nodes (default 1)")
     parser.add_argument("--base-port", type=int, default=0, help="first inference port (default: free ports)")
     parser.add_argument(
+        "--trainer-ranks", type=int, default=1,
+        help="trainer ranks on this machine, FSDP-sharded through torchrun (default 1: one process)",
+    )  # fmt: skip
+    parser.add_argument(
         "--minutes",
         type=float,
         default=0.0,
@@ -52,6 +56,18 @@ def main(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     return Up(config, args).run()
+
+
+def measured_word(summary: dict[str, Any]) -> str:
+    """Which version `val_reward_end` measured, and whether it is the trainer's last one."""
+    measured, last = summary["val_reward_end_version"], summary["trainer_last_version"]
+    if measured is None:
+        return "(no validation)"
+    if last is None:
+        return f"(version {measured}; the trainer did not report a last version)"
+    if measured == last:
+        return f"(version {measured}, the final one)"
+    return f"(version {measured}, NOT the final version {last})"
 
 
 class Up:
@@ -141,7 +157,8 @@ class Up:
             )
         self.processes += [node.start() for node in nodes]
         self._wait_healthy([*urls, *snapshot_urls.values()])
-        self.processes.append(ServiceProcess("trainer", ["trainer", *common], logs, env).start())
+        ranks = ["--nproc-per-node", str(self.args.trainer_ranks)] if self.args.trainer_ranks > 1 else []
+        self.processes.append(ServiceProcess("trainer", ["trainer", *common, *ranks], logs, env).start())
         self.processes.append(ServiceProcess("scheduler", ["scheduler", *common], logs, env).start())
         if self.config.worker.queues:  # the tool pool; agents find it through the env (worker/client.py)
             env.update(SQUALL_RUN__NAME=self.keys.run, SQUALL_CONFIG=self.args.config or "")
@@ -269,6 +286,10 @@ class Up:
             "reason": self.reason,
             "val_reward_start": val[0] if val else None,
             "val_reward_end": val[-1] if val else None,
+            # the version that last round measured, and the trainer's last one (None: the data did
+            # not run out, or the trainer never said): equal when the run ended measured on its final weights
+            "val_reward_end_version": s["val"][-1]["version"] if s["val"] else None,
+            "trainer_last_version": s["last_version"],
             "val_curve": s["val"],
             "train_curve": s["train"],
             "steps": s["step"],
@@ -284,4 +305,5 @@ class Up:
             f"squall up: curve {png}, summary {self.run_dir / 'summary.json'}, ledger balanced={s['balanced']}"
         )
         print(f"{self.args.label}: val_reward_start={fmt(summary['val_reward_start'])} "
-              f"val_reward_end={fmt(summary['val_reward_end'])} minutes={minutes:.1f}", flush=True)  # fmt: skip
+              f"val_reward_end={fmt(summary['val_reward_end'])} {measured_word(summary)} minutes={minutes:.1f}",
+              flush=True)  # fmt: skip

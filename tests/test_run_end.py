@@ -1,0 +1,196 @@
+"""The end of a run (issue 16): the last partial step trains, the end validation measures the
+final published version, stopped services read as stopped, a finished run has no open group.
+
+Real parts throughout: a real Redis, the trainer as a process on a real tiny model, and a whole
+`squall up` on the calculator policy with a dataset that does not fill its last step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from runner_helpers import events
+from test_trainer_e2e import start_trainer, trained_log, write_config
+from test_trainer_step import make_tiny_model, sampled_trajectory
+from waiting import wait_for
+
+from squall.scheduler.status import collect, render
+from squall.shared import bus, dataend, schemas
+from squall.shared.heartbeat import HeartbeatWriter
+from squall.shared.keys import GROUP_TRAINER, Keys
+from squall.shared.ledger import Ledger
+from squall.shared.runstate import read_snapshot
+
+pytestmark = pytest.mark.redis
+ROOT = Path(__file__).resolve().parents[1]
+POLICY = ROOT / "examples" / "calc" / "policy"
+
+
+def test_a_cleanly_stopped_heartbeat_reads_as_stopped_and_a_silent_one_as_gone(r, run_name):
+    keys = Keys(run_name)
+    clean = HeartbeatWriter(r, keys, "trainer", "t0")
+    clean.beat(version=3, step=7.0, open_groups=2.0)
+    died = HeartbeatWriter(r, keys, "runner", "r0")
+    died.beat(version=3)
+    states = {p.id: p.state for p in read_snapshot(r, keys).processes}
+    assert states == {"trainer:t0": "alive", "runner:r0": "alive"}
+    clean.stop(open_groups=0)
+    snap = read_snapshot(r, keys)
+    (trainer,) = [p for p in snap.processes if p.service == "trainer"]
+    assert trainer.state == "stopped" and not trainer.alive and snap.alive("trainer") == []
+    assert trainer.fields()["version"] == 3 and trainer.fields()["step"] == 7.0  # its last word kept
+    assert trainer.fields()["open_groups"] == 0.0
+    assert json.loads(r.hget(keys.heartbeats, "trainer:t0"))["stopped"] > 0  # redis-cli shows it
+    lines = render(collect(r, run_name)).splitlines()
+    assert any("trainer:t0" in line and " stopped " in line for line in lines), lines
+    assert any("runner:r0" in line and " alive " in line for line in lines), lines
+
+
+def publish_groups(r, keys: Keys, model, groups: int) -> set[str]:
+    """`groups` trainable groups of 4 (rewards 0/1), dispatched and finished ok in the ledger as
+    a scheduler and runners would leave them; returns their keys."""
+    messages = []
+    for g in range(groups):
+        for i in range(4):
+            t = sampled_trajectory(model, f"g{g}", i, float((i + g) % 2), seed=10 * g + i)
+            messages.append(
+                schemas.Trajectory(**{**{f: getattr(t, f) for f in t.__struct_fields__}, "run": keys.run})
+            )
+    ledger = Ledger(r, keys)
+    ledger.apply("dispatch", [t.key for t in messages])
+    ledger.move([t.key for t in messages], "ok")
+    bus.publish_many(r, keys.trajectories, messages)
+    return {t.key for t in messages}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("groups", "steps", "version"),
+    [
+        (5, 3, 1),  # 2 + 2, then the last group alone: a smaller step, published though 3 % 4 != 0
+        (4, 2, 1),  # 2 + 2, nothing left: the unpublished steps get a version of their own
+    ],
+)
+def test_the_trainer_trains_what_it_holds_when_the_data_ends(
+    tmp_path, r, redis_url, run_name, groups, steps, version
+):
+    torch.set_num_threads(1)
+    from transformers import AutoModelForCausalLM
+
+    model_path = make_tiny_model(tmp_path / "model")
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    keys = Keys(run_name)
+    bus.ensure_group(r, keys.trajectories, GROUP_TRAINER)
+    trainable = publish_groups(r, keys, model, groups)
+    config = write_config(tmp_path, redis_url, run_name, model_path, groups_per_step=2, publish_every=4)
+    run_dir = tmp_path / "run"
+    proc = start_trainer(config)
+    try:
+        held = 4 * (groups - 4)  # less than a step's worth: the trainer holds it
+
+        def two_steps_settled() -> bool:
+            return proc.poll() is not None or Ledger(r, keys).counts().get("trained", 0) == 16
+
+        wait_for(two_steps_settled, 180, "two full steps, trained in the ledger")
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        assert Ledger(r, keys).counts().get("ok", 0) == held and len(trained_log(run_dir)) == 2
+        assert int(r.hget(keys.versions, "trainer")) == 0  # publish_every=4: nothing published yet
+        dataend.announce_data_end(r, keys, samples=groups)  # as the scheduler does
+        answer = wait_for(lambda: dataend.read(r, keys).trainer_version is not None and dataend.read(r, keys),
+                          60, "the trainer's answer")  # fmt: skip
+    finally:
+        proc.terminate()
+        rc = proc.wait(60)
+    assert rc == 0, proc.stderr.read().decode()[-3000:]
+    log = trained_log(run_dir)
+    assert [line["step"] for line in log] == list(range(1, steps + 1))
+    assert {k for line in log for k in line["keys"]} == trainable  # every key trained, once
+    assert answer.trainer_version == version and answer.trainer_step == steps
+    (newest,) = r.xrevrange(keys.weights, count=1)
+    published = schemas.decode(newest[1][schemas.ENTRY_FIELD], schemas.WeightVersion)
+    assert (published.version, published.step) == (version, steps)  # the answer is what was published
+    assert int(r.hget(keys.versions, "trainer")) == version
+    counts = Ledger(r, keys).counts()
+    assert "ok" not in counts and counts["trained"] == len(trainable), counts
+    assert [e.fields["version"] for e in events(r, run_name, "data_trained")] == [version]
+    beat = json.loads(r.hget(keys.heartbeats, "trainer:trainer"))  # SIGTERM: a clean stop
+    assert beat["stopped"] > 0 and beat["open_groups"] == 0 and beat["ready_groups"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (POLICY / "config.json").exists(), reason="the demo policy is not built")
+def test_up_trains_the_last_partial_step_and_validates_the_final_version(tmp_path, r, redis_url, run_name):
+    data = tmp_path / "data"
+    subprocess.run([sys.executable, "-m", "examples.calc.tasks", "--out", str(data), "--train", "7",
+                    "--val", "4", "--seed", "0"], cwd=ROOT, check=True, capture_output=True)  # fmt: skip
+    run_dir = tmp_path / "run"
+    env = {
+        **os.environ,
+        "SQUALL_RUN__REDIS_URL": redis_url,  # the test's Redis: the run's keys outlive `squall up`
+        "SQUALL_RUN__NAME": run_name,
+        "SQUALL_RUN__DIR": str(run_dir),
+        "SQUALL_SCHEDULER__DATASET": str(data / "train.jsonl"),
+        "SQUALL_SCHEDULER__VAL_DATASET": str(data / "val.jsonl"),
+        "SQUALL_SCHEDULER__GROUP_SIZE": "8",
+        "SQUALL_SCHEDULER__VAL_EVERY": "1",  # a round at every version while data is left
+        "SQUALL_SCHEDULER__VAL_SAMPLES": "4",
+        "SQUALL_TRAINER__GROUPS_PER_STEP": "4",  # 7 groups: one full step, then up to 3 left over
+        "SQUALL_TORCH_THREADS": "1",
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "squall.cli", "up", "--config", "examples/calc/demo.toml", "--runners", "1",
+         "--minutes", "8", "--label", "end"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    out = done.stdout + done.stderr
+    assert done.returncode == 0 and "scheduler finished the dataset" in out, out[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    keys = Keys(run_name)
+
+    # Item 4: the leftover groups trained (or were filtered), as a last smaller step.
+    counts = Ledger(r, keys).counts()
+    assert "ok" not in counts and Ledger(r, keys).balanced(), counts
+    assert summary["ledger_balanced"] and "ok" not in summary["ledger"], summary["ledger"]
+    # Zero-variance groups are filtered (the policy's luck decides how many): the groups that
+    # trained fill steps of 4, and whatever is left over trains as a last, smaller step.
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    trained = {k for line in trained_log(run_dir) for k in line["keys"]}
+    trained_groups = len({key.split(":")[0] for key in trained})
+    per_step = [int(m["groups"]) for m in metrics]
+    assert sum(per_step) == trained_groups and per_step == [4] * (trained_groups // 4) + (
+        [trained_groups % 4] if trained_groups % 4 else []
+    ), (per_step, trained_groups)
+    states = {k.decode(): v.decode() for k, v in r.hgetall(keys.attempts).items()}
+    assert {k for k, state in states.items() if state == "trained"} == trained  # as the trainer logged
+    left = {state for state in states.values() if state not in ("trained", "validated")}
+    assert all(state.startswith("filtered:") or state in ("retried", "deadlettered") for state in left), left
+
+    # Item 3: the end round measured the trainer's last published version, and only once.
+    end = dataend.read(r, keys)
+    last = int(r.hget(keys.versions, "trainer"))
+    (newest,) = r.xrevrange(keys.weights, count=1)
+    assert schemas.decode(newest[1][schemas.ENTRY_FIELD], schemas.WeightVersion).version == last
+    assert end.trainer_version == last == summary["trainer_last_version"] == summary["val_reward_end_version"]
+    assert summary["steps"] == metrics[-1]["step"] and last == metrics[-1]["version"]
+    assert [p["version"] for p in summary["val_curve"]].count(last) == 1, summary["val_curve"]
+    end_rounds = [e for e in events(r, run_name, "val_round_dispatched") if e.fields["end"]]
+    assert [e.fields["version"] for e in end_rounds] in ([last], []), end_rounds  # [] : a periodic one had it
+    assert f"val_reward_end={summary['val_reward_end']:.3f} (version {last}, the final one)" in out
+    assert events(r, run_name, "end_unconfirmed") == []
+
+    # Item 6b: every service stopped cleanly and reads as stopped; the finished run holds no group.
+    status = collect(r, run_name)
+    states = {name: body["state"] for name, body in status["processes"].items()}
+    assert states and set(states.values()) == {"stopped"}, states
+    assert {name.split(":")[0] for name in states} == {"inference", "trainer", "scheduler", "runner"}
+    assert status["finished"] and status["open_groups"] == 0, status
+    cli = subprocess.run([sys.executable, "-m", "squall.cli", "status", "--run", run_name, "--redis-url", redis_url],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert cli.returncode == 0 and "open_groups=0" in cli.stdout and " alive " not in cli.stdout, cli.stdout
+    assert f"trainer: last version v{last}" in cli.stdout, cli.stdout
