@@ -26,7 +26,7 @@ from squall.shared.ledger import Ledger
 from squall.shared.schemas import decode
 from squall.trainer.backend import make_backend
 from squall.trainer.checkpoint import CheckpointStore, TrainerState, WorldSizeMismatch
-from squall.trainer.cli import rank_processes, torchrun_command
+from squall.trainer.cli import rank_environment, rank_processes, torchrun_command
 from squall.trainer.distributed import WorldSizeError, check_devices
 from squall.trainer.sequences import trajectory_to_samples
 
@@ -120,7 +120,10 @@ def launch_args(**given):
 def test_launch_command_and_its_bad_input():
     single = torchrun_command(launch_args())
     assert single[1:5] == ["-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone"]
-    assert single[-7:] == ["-m", "squall.cli", "trainer", "--config", "run.toml", "--max-steps", "3"]
+    assert single[-5:] == ["-m", "squall.cli", "trainer", "--config", "run.toml"]
+    env = rank_environment(launch_args(run="r1", redis_url="redis://u:secret@h:1/0"))
+    assert env["SQUALL_TRAINER__MAX_STEPS"] == "3" and env["SQUALL_RUN__NAME"] == "r1"
+    assert env["SQUALL_RUN__REDIS_URL"] == "redis://u:secret@h:1/0"  # not in argv, where ps shows it
     multi = torchrun_command(launch_args(nnodes=2, node_rank=1, rdzv_endpoint="10.0.0.1:29400"))
     assert "--rdzv-backend=static" in multi and "--node-rank=1" in multi and "--nnodes=2" in multi
     with pytest.raises(WorldSizeError, match="--node-rank"):
@@ -254,3 +257,78 @@ def decoded_key(fields) -> str | None:
         return decode(fields[b"m"]).key
     except Exception:  # the corrupt entry of the dataset
         return None
+
+
+@pytest.mark.redis
+@pytest.mark.slow
+def test_up_runs_the_trainer_on_two_ranks(tmp_path, r, redis_url, run_name):
+    """`squall up --trainer-ranks 2` on the calculator policy: the run trains, publishes and
+    stops cleanly, and the ledger agrees with what the ranks trained."""
+    data = tmp_path / "data"
+    subprocess.run([sys.executable, "-m", "examples.calc.tasks", "--out", str(data), "--train", "8",
+                    "--val", "4", "--seed", "0"], cwd=ROOT, check=True, capture_output=True)  # fmt: skip
+    run_dir = tmp_path / "run"
+    env = {
+        **os.environ,
+        "SQUALL_RUN__REDIS_URL": redis_url,
+        "SQUALL_RUN__NAME": run_name,
+        "SQUALL_RUN__DIR": str(run_dir),
+        "SQUALL_SCHEDULER__DATASET": str(data / "train.jsonl"),
+        "SQUALL_SCHEDULER__VAL_DATASET": str(data / "val.jsonl"),
+        "SQUALL_SCHEDULER__GROUP_SIZE": "4",
+        "SQUALL_SCHEDULER__VAL_SAMPLES": "4",
+        "SQUALL_TRAINER__GROUPS_PER_STEP": "2",
+        "SQUALL_TORCH_THREADS": "1",
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "squall.cli", "up", "--config", "examples/calc/demo.toml", "--runners", "1",
+         "--trainer-ranks", "2", "--minutes", "8", "--label", "ranks"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    out = done.stdout + done.stderr
+    assert done.returncode == 0 and "unclean exits" not in out, out[-3000:]
+    keys = Keys(run_name)
+    ledger = Ledger(r, keys)
+    assert ledger.balanced() and "ok" not in ledger.counts(), ledger.counts()
+    trained = {k for line in trained_log(run_dir) for k in line["keys"]}
+    states = {k.decode(): v.decode() for k, v in r.hgetall(keys.attempts).items()}
+    assert trained and {k for k, state in states.items() if state == "trained"} == trained
+    assert int(r.hget(keys.versions, "trainer")) >= 1
+    newest = sorted((run_dir / "checkpoints").glob("ckpt-*"))[-1]
+    assert json.loads((newest / "meta.json").read_text())["world_size"] == 2
+    logs = "".join(p.read_text() for p in run_dir.rglob("trainer*.log"))
+    assert '"rank_following"' in logs or "rank_following" in logs, "the second rank did not start"
+
+
+def trainer_args(argv: list[str]) -> argparse.Namespace:
+    from squall.trainer.cli import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_deploy_examples_launch_what_they_say():
+    """The compose overrides and the systemd launch examples parse as `squall trainer`
+    options and give the torchrun launch they describe (GPUs reserved = ranks per node)."""
+    import yaml
+
+    deploy = ROOT / "deploy"
+    for name, nnodes in (("compose.trainer-8gpu.yaml", 1), ("compose.trainer-2nodes.yaml", 2)):
+        trainer = yaml.safe_load((deploy / "containers" / name).read_text())["services"]["trainer"]
+        argv = [
+            "1" if "SQUALL_NODE_RANK" in a else "10.0.0.1:29400" if "SQUALL_RDZV" in a else a
+            for a in trainer["command"][1:]
+        ]
+        command = torchrun_command(trainer_args(argv))
+        (gpus,) = trainer["deploy"]["resources"]["reservations"]["devices"]
+        assert f"--nproc-per-node={gpus['count']}" in command, name
+        assert (f"--nnodes={nnodes}" in command) == (nnodes > 1), name
+    example = (deploy / "systemd" / "env" / "trainer-launch.env.example").read_text()
+    launches = [line.lstrip("#").partition("=")[2].split() for line in example.splitlines()
+                if line.lstrip("#").startswith("SQUALL_TRAINER_LAUNCH=")]  # fmt: skip
+    assert len(launches) == 2
+    for launch in launches:
+        assert "--nproc-per-node=8" in torchrun_command(trainer_args(["--config", "run.toml", *launch]))
+    unit = (deploy / "systemd" / "squall-trainer.service").read_text()
+    assert "$SQUALL_TRAINER_LAUNCH" in unit and "EnvironmentFile=-/etc/squall/trainer-launch.env" in unit

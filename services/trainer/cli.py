@@ -15,8 +15,10 @@ from squall.shared.cliargs import add_common_arguments
 
 EXIT_REDIS_UNAVAILABLE = 3  # Redis stayed down past run.redis_outage_s
 EXIT_BAD_WORLD = 2  # more ranks than GPUs, or a checkpoint written by another world size
-PASSED_ON = (("--config", "config"), ("--run", "run"), ("--redis-url", "redis_url"), ("--backend", "backend"),
-             ("--max-steps", "max_steps"))  # fmt: skip
+# Options the ranks get through their environment (torchrun would take `--run` after the
+# script name for its own `--run-path`; a Redis URL with a password stays out of argv).
+PASSED_IN_ENV = {"run": "SQUALL_RUN__NAME", "redis_url": "SQUALL_RUN__REDIS_URL",
+                 "backend": "SQUALL_TRAINER__BACKEND", "max_steps": "SQUALL_TRAINER__MAX_STEPS"}  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,8 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def torchrun_command(args: argparse.Namespace) -> list[str]:
-    """The torchrun command line that starts this node's ranks, each running `squall trainer`
-    with the same options minus the launch ones. WorldSizeError names a missing launch option."""
+    """The torchrun command line that starts this node's ranks, each running `squall trainer
+    --config` (the other options go by `rank_environment`). WorldSizeError names a missing
+    launch option."""
     from .distributed import WorldSizeError
 
     if args.nproc_per_node < 1 or args.nnodes < 1:
@@ -60,10 +63,17 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
         command += [f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}", "--rdzv-backend=static",
                     f"--rdzv-endpoint={args.rdzv_endpoint}"]  # fmt: skip
     command += ["-m", "squall.cli", "trainer"]
-    for flag, dest in PASSED_ON:
-        if getattr(args, dest, None) is not None:
-            command += [flag, str(getattr(args, dest))]
-    return command
+    return command + (["--config", args.config] if args.config else [])
+
+
+def rank_environment(args: argparse.Namespace) -> dict[str, str]:
+    """This process's environment plus the command-line overrides, for the ranks."""
+    given = {
+        env: str(getattr(args, dest))
+        for dest, env in PASSED_IN_ENV.items()
+        if getattr(args, dest) is not None
+    }
+    return {**os.environ, **given}
 
 
 def rank_processes(pid: int) -> dict[int, int]:
@@ -102,7 +112,9 @@ def launch(args: argparse.Namespace) -> int:
 
     config = config_from_args(args, trainer={"backend": args.backend, "max_steps": args.max_steps})
     check_devices(config.trainer.device, args.nproc_per_node)
-    proc = subprocess.Popen(torchrun_command(args), start_new_session=True)  # signals come through us
+    proc = subprocess.Popen(
+        torchrun_command(args), env=rank_environment(args), start_new_session=True
+    )  # signals come through us
 
     def forward(signum: int, _frame: object) -> None:
         for pid in list(rank_processes(proc.pid).values()) or [proc.pid]:
