@@ -149,3 +149,25 @@ def test_logprobs_and_entropy_match_a_plain_loop(seed):
             logs = [v - top - math.log(z) for v in row]
             assert lp[b, t].item() == pytest.approx(logs[int(targets[b, t])], rel=1e-5)
             assert ent[b, t].item() == pytest.approx(-sum(math.exp(v) * v for v in logs), rel=1e-5)
+
+
+def test_chunked_logprobs_and_entropy_equal_the_whole_vocabulary_computation(monkeypatch):
+    """token_logprobs/token_entropy reduce the vocabulary a chunk of positions at a time (memory);
+    values and gradients must equal the one-shot log_softmax over (B, T, V)."""
+    from squall.trainer import losses
+
+    monkeypatch.setattr(losses, "LOGIT_CHUNK", 7)  # many chunks, the last one ragged
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 40, 11, generator=gen, requires_grad=True)
+    targets = torch.randint(0, 11, (3, 40), generator=gen)
+    weights = torch.randn(3, 40, generator=gen)
+    whole = torch.log_softmax(logits, -1)
+    expected = torch.gather(whole, -1, targets[..., None]).squeeze(-1)
+    (expected * weights).sum().backward()
+    expected_grad, logits.grad = logits.grad.clone(), None
+    got = losses.token_logprobs(logits, targets)
+    (got * weights).sum().backward()
+    assert torch.allclose(got, expected, atol=1e-6)
+    assert torch.allclose(logits.grad, expected_grad, atol=1e-6)
+    entropy = -(whole.exp() * whole).sum(-1)
+    assert torch.allclose(losses.token_entropy(logits), entropy.detach(), atol=1e-6)
