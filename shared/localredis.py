@@ -65,11 +65,24 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _private(folder: Path) -> bool:
+    """The registry is trusted only when it is ours and nobody else may write to it (in a shared
+    temp dir another user could otherwise plant records pointing at their own server)."""
+    try:
+        info = folder.stat()
+    except OSError:
+        return False
+    return info.st_uid == os.getuid() and not info.st_mode & 0o022
+
+
 def recorded_servers() -> list[RecordedServer]:
     """Local servers squall started that are still running, oldest first; records of servers
     that are gone are removed."""
+    folder = registry_dir()
+    if not _private(folder):
+        return []
     found = []
-    for path in sorted(registry_dir().glob("*.json")):
+    for path in sorted(folder.glob("*.json")):
         try:
             server = RecordedServer(**json.loads(path.read_text()))
         except (OSError, ValueError, TypeError):
@@ -160,7 +173,7 @@ class LocalRedis:
         record = RecordedServer(url=self.url, pid=self.process.pid, owner_pid=os.getpid(),
                                 owner=owner, started_at=time.time())  # fmt: skip
         try:
-            self._record_path.parent.mkdir(parents=True, exist_ok=True)
+            self._record_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             tmp = self._record_path.with_suffix(".tmp")
             tmp.write_text(json.dumps(record.__dict__))
             tmp.replace(self._record_path)

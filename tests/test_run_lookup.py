@@ -103,3 +103,15 @@ def test_records_of_servers_that_are_gone_are_dropped(registry):
     (registry / "2.json").write_text("not json")
     assert recorded_servers() == []
     assert not (registry / "1.json").exists()  # dropped; an unreadable record is left alone
+
+
+def test_a_registry_others_may_write_to_is_not_trusted(registry):
+    server = LocalRedis().start()
+    try:
+        assert [s.url for s in recorded_servers()] == [server.url]
+        registry.chmod(0o777)  # in a shared temp dir, anyone could plant a record here
+        assert recorded_servers() == []
+        registry.chmod(0o700)
+        assert [s.url for s in recorded_servers()] == [server.url]
+    finally:
+        server.close()
