@@ -237,7 +237,8 @@ def lora_step_on_rank(model_path: str, run_dir: str, samples: list) -> dict:
     """One LoRA step on this rank's share of `samples`; rank 0 returns the gathered adapter."""
     config = load_config(env={}, overrides={
         "run": {"name": "loraws", "dir": run_dir}, "model": {"path": model_path},
-        "trainer": {"lr": 1e-3, "device": "cpu", "lora_rank": 4, "max_tokens_per_microbatch": 24},
+        "trainer": {"lr": 1e-3, "device": "cpu", "lora_rank": 4, "max_tokens_per_microbatch": 24,
+                    "kl_coef": 0.1},  # the base as reference, through the sharded model
     })  # fmt: skip
     backend = make_backend("torch", config)
     metrics = backend.train_step(samples)
@@ -258,6 +259,23 @@ def test_two_ranks_make_the_single_process_lora_step(tmp_path):
     assert any(t.abs().max() > 0 for n, t in one["weights"].items() if ".lora_B." in n)  # the step moved B
     for name, tensor in one["weights"].items():
         torch.testing.assert_close(two["weights"][name], tensor, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.slow
+def test_two_ranks_lora_sharded_checkpoint_resumes_the_same_updates(tmp_path):
+    from test_trainer_distributed import step_batch, train_save_resume
+    from test_trainer_step import make_tiny_model
+
+    model_path = make_tiny_model(tmp_path / "model")
+    samples = step_batch(model_path)
+    trainer = {"max_tokens_per_microbatch": 40, "lora_rank": 4}
+    (straight, resumed, files), _ = run_world(
+        train_save_resume, str(tmp_path / "ranks"), str(model_path), samples, trainer
+    )
+    assert straight and all(".lora_A." in k or ".lora_B." in k for k in straight), sorted(straight)[:3]
+    assert sum(name.endswith(".distcp") for name in files) == 2  # one shard file per rank
+    for name, tensor in straight.items():
+        torch.testing.assert_close(resumed[name], tensor, rtol=1e-5, atol=1e-7, msg=name)
 
 
 @pytest.mark.slow
