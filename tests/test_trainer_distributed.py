@@ -332,3 +332,20 @@ def test_deploy_examples_launch_what_they_say():
         assert "--nproc-per-node=8" in torchrun_command(trainer_args(["--config", "run.toml", *launch]))
     unit = (deploy / "systemd" / "squall-trainer.service").read_text()
     assert "$SQUALL_TRAINER_LAUNCH" in unit and "EnvironmentFile=-/etc/squall/trainer-launch.env" in unit
+
+
+def test_launch_refuses_a_checkpoint_of_another_world_size(tmp_path):
+    """Checked by the launcher itself: no rank starts (and no model loads) to find out."""
+    run_dir = tmp_path / "run"
+    CheckpointStore(run_dir / "checkpoints").save(
+        TrainerState(commit=1, step=1, version=1), lambda p: p.write_bytes(b"x")
+    )
+    config = tmp_path / "run.toml"
+    config.write_text(f'[run]\nname = "resize"\ndir = "{run_dir}"\n[trainer]\ndevice = "cpu"\n')
+    proc = subprocess.run(
+        [sys.executable, "-m", "squall.cli", "trainer", "--config", str(config), "--nproc-per-node", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "written by a trainer with 1 rank(s), this one has 2: resume it with 1 rank(s)" in proc.stderr
+    assert "torch.distributed.run" not in proc.stderr and "rank_following" not in proc.stderr

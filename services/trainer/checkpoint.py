@@ -191,6 +191,19 @@ class CheckpointStore:
             shutil.rmtree(old, ignore_errors=True)
         return final
 
+    @staticmethod
+    def check_world_size(root: str | Path, world_size: int) -> None:
+        """WorldSizeMismatch when the newest checkpoint under `root` was written by another
+        number of ranks (read-only: what a launcher checks before starting any rank)."""
+        for path in sorted(Path(root).glob(f"{CHECKPOINT_PREFIX}*"), reverse=True):
+            try:
+                written = int(json.loads((path / "meta.json").read_text()).get("world_size", 1))
+            except (OSError, ValueError, AttributeError):
+                continue
+            if written != world_size:
+                raise WorldSizeMismatch(path, written, world_size)
+            return
+
     def latest(self) -> tuple[TrainerState, Path] | None:
         """The newest readable checkpoint's state (with the whole done set) and folder, or
         None for a fresh run. WorldSizeMismatch when another number of ranks wrote it."""

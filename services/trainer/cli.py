@@ -108,10 +108,12 @@ def launch(args: argparse.Namespace) -> int:
 
     from squall.shared.cliargs import config_from_args
 
+    from .checkpoint import CheckpointStore
     from .distributed import check_devices
 
     config = config_from_args(args, trainer={"backend": args.backend, "max_steps": args.max_steps})
     check_devices(config.trainer.device, args.nproc_per_node)
+    CheckpointStore.check_world_size(Path(config.run.dir) / "checkpoints", args.nproc_per_node * args.nnodes)
     proc = subprocess.Popen(
         torchrun_command(args), env=rank_environment(args), start_new_session=True
     )  # signals come through us
