@@ -15,11 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from runner_helpers import events
+from runner_helpers import events, tasks, write_jsonl
+from test_scheduler_run import finish_all_as_runner, make_config, reward_points
 from test_trainer_e2e import start_trainer, trained_log, write_config
 from test_trainer_step import make_tiny_model, sampled_trajectory
 from waiting import wait_for
 
+from squall.scheduler.scheduler import Scheduler
 from squall.scheduler.status import collect, render
 from squall.shared import bus, dataend, schemas
 from squall.shared.heartbeat import HeartbeatWriter
@@ -50,6 +52,65 @@ def test_a_cleanly_stopped_heartbeat_reads_as_stopped_and_a_silent_one_as_gone(r
     lines = render(collect(r, run_name)).splitlines()
     assert any("trainer:t0" in line and " stopped " in line for line in lines), lines
     assert any("runner:r0" in line and " alive " in line for line in lines), lines
+
+
+def test_the_end_round_waits_for_the_trainers_last_version_and_for_the_nodes_serving_it(
+    r, redis_url, run_name, tmp_path
+):
+    keys, ledger = Keys(run_name), Ledger(r, Keys(run_name))
+    config = make_config(redis_url, run_name, write_jsonl(tmp_path / "d.jsonl", [{"id": i} for i in range(3)]),
+                         val_dataset=str(write_jsonl(tmp_path / "v.jsonl", [{"id": "v0"}])), group_size=1,
+                         hold_until_trained=True, val_every=1, poll_s=0.05, trainer={"groups_per_step": 2})  # fmt: skip
+    sched = Scheduler(config, r)
+    trainer = HeartbeatWriter(r, keys, "trainer", "trainer")
+    follower, snapshot = (HeartbeatWriter(r, keys, "inference", name) for name in ("n0", "snap"))
+
+    def beat(node_version: int) -> None:  # the live processes, as they write their heartbeats
+        trainer.beat(force=True, version=int(r.hget(keys.versions, "trainer") or 0))
+        follower.beat(force=True, version=node_version, follows_newest=1.0)
+        snapshot.beat(force=True, version=0, follows_newest=0.0)  # a pinned opponent: never moves
+        r.hset(keys.versions, mapping={"inference:n0": node_version, "inference:snap": 0})
+
+    def val_tasks() -> list[schemas.Task]:
+        return [t for t in tasks(r, run_name) if t.mode == "val"]
+
+    beat(0)
+    for _ in range(20):  # the first round, and the data: 3 groups, a step of 2 trained
+        sched.step()
+        done = finish_all_as_runner(r, run_name)
+        first_two = sorted({t.group_id for t in tasks(r, run_name) if t.mode == "train"})[:2]
+        ledger.move([k for k in done if k.split(":")[0] in first_two], "trained")
+    r.hset(keys.versions, "trainer", 1)  # the step of 2 published as version 1; one group held
+    for _ in range(10):
+        beat(1)
+        assert sched.step()
+    assert dataend.read(r, keys).owed_by_trainer and len(val_tasks()) == 1  # no round on version 1
+    assert ledger.counts()["ok"] == 1  # the third group, held: less than a step
+    assert [e.fields["held_groups"] for e in events(r, run_name, "data_end")] == [1]
+
+    held = [k.decode() for k, v in r.hgetall(keys.attempts).items() if v == b"ok"]
+    ledger.move(held, "trained")  # the trainer's last, smaller step: version 2
+    r.hset(keys.versions, "trainer", 2)
+    dataend.announce_trained(r, keys, version=2, step=2)
+    for _ in range(10):
+        beat(1)  # the node still serves 1: the round would measure old weights
+        assert sched.step()
+    assert len(val_tasks()) == 1 and sched.end_version() == 2
+    beat(2)
+    wait_for(lambda: sched.step() and len(val_tasks()) == 2, 10, "the end round")
+    assert val_tasks()[-1].min_version == 2
+    finish_all_as_runner(r, run_name, reward=0.5)
+    wait_for(lambda: not sched.step(), 10, "the scheduler to finish")
+    last_round = [p for p in reward_points(r, keys) if p.mode == "val"][-1]
+    assert (last_round.version, last_round.mean) == (2, 0.5)
+    (finished,) = events(r, run_name, "finished")
+    assert finished.fields["end_version"] == 2 and finished.fields["open_groups"] == 0
+    assert (
+        sched.groups == {} and r.hlen(keys.groups) == 0 and ledger.balanced() and "ok" not in ledger.counts()
+    )
+    assert (
+        events(r, run_name, "end_unconfirmed") == [] and events(r, run_name, "end_round_nodes_behind") == []
+    )
 
 
 def publish_groups(r, keys: Keys, model, groups: int) -> set[str]:
@@ -181,6 +242,12 @@ def test_up_trains_the_last_partial_step_and_validates_the_final_version(tmp_pat
     assert [p["version"] for p in summary["val_curve"]].count(last) == 1, summary["val_curve"]
     end_rounds = [e for e in events(r, run_name, "val_round_dispatched") if e.fields["end"]]
     assert [e.fields["version"] for e in end_rounds] in ([last], []), end_rounds  # [] : a periodic one had it
+    applied = [
+        schemas.decode(f[schemas.ENTRY_FIELD], schemas.WeightApplied)
+        for _, f in r.xrange(keys.weights_applied)
+    ]
+    served_at = min(a.applied_at for a in applied if a.version == last)
+    assert all(e.time >= served_at for e in end_rounds), (served_at, end_rounds)  # served before it went out
     assert f"val_reward_end={summary['val_reward_end']:.3f} (version {last}, the final one)" in out
     assert events(r, run_name, "end_unconfirmed") == []
 

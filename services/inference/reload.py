@@ -281,9 +281,13 @@ class WeightFollower:
             )
 
     async def heartbeat(self) -> None:
-        """`inference:<node>`: the version served, where /metrics listens, the engine's counts."""
+        """`inference:<node>`: the version served, where /metrics listens, the engine's counts, and
+        `follows_newest` (1: a plain follower; the scheduler's end round waits for those)."""
         await self.beats.beat_async(
-            version=self.engine.weight_version, metrics_port=self.metrics_port, **self.engine.stats()
+            version=self.engine.weight_version,
+            metrics_port=self.metrics_port,
+            follows_newest=float(self.snapshot.following),
+            **self.engine.stats(),
         )
 
 

@@ -234,6 +234,7 @@ class Scheduler:
         if self.exhausted:
             at = self.end_version()
             due = validation.end_round_due(**common, val_at_end=self.section.val_at_end, end_version=at)
+            due = due and at is not None and self._served(at)
         else:
             due = validation.val_round_due(**common, version=version)
         if not due or at is None:
@@ -274,6 +275,28 @@ class Scheduler:
         level = self.log.warning if expected else self.log.info  # no trainer: a rollout-only run
         level("end_unconfirmed", version=version, reason=reason, waited_s=round(waited, 1))
         return version
+
+    def _served(self, version: int) -> bool:
+        """Do the inference nodes serve `version` yet? Every live plain follower (heartbeat stat
+        `follows_newest`) must have acknowledged it in `versions`, or the end round would be
+        answered by older weights; snapshot nodes never will. Past `end_wait_s` after the end
+        was settled, the round goes out anyway (Event `end_round_nodes_behind`)."""
+        versions = self.r.hgetall(self.keys.versions)
+        behind = []
+        for name, beat, _ in read_heartbeats(self.r, self.keys):
+            if beat is None or beat.service != "inference" or state_of(beat) != "alive":
+                continue
+            if beat.stats.get("follows_newest", 1.0) and int(versions.get(name.encode(), -1)) < version:
+                behind.append(beat.instance)
+        if not behind:
+            return True
+        end = dataend.read(self.r, self.keys)
+        settled = end.trainer_at or end.scheduler_at or time.time()
+        if time.time() - settled < self.section.end_wait_s:
+            return False
+        report.event(self.r, self.keys, "end_round_nodes_behind", version=version, nodes=behind)
+        self.log.warning("end_round_nodes_behind", version=version, nodes=behind)
+        return True
 
     def _trainer_expected(self) -> bool:
         """Is an answer worth waiting for? A trainer beats, or died (it may be restarted); or,
