@@ -274,6 +274,16 @@ def test_two_ranks_lora_sharded_checkpoint_resumes_the_same_updates(tmp_path):
     )
     assert straight and all(".lora_A." in k or ".lora_B." in k for k in straight), sorted(straight)[:3]
     assert sum(name.endswith(".distcp") for name in files) == 2  # one shard file per rank
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = (
+        FileSystemReader(str(tmp_path / "ranks" / "ckpt" / "state.pt")).read_metadata().state_dict_metadata
+    )
+    model_keys = [k for k in saved if k.startswith("model.")]
+    base = [k for k in model_keys if ".lora_" not in k]
+    # Never the frozen base; torch keeps a tied lm_head (it is no named parameter of its own,
+    # so ignore_frozen_params cannot see it is frozen): one embedding-sized tensor.
+    assert model_keys and base == ["model.base_model.model.lm_head.weight"], base[:3]
     for name, tensor in straight.items():
         torch.testing.assert_close(resumed[name], tensor, rtol=1e-5, atol=1e-7, msg=name)
 

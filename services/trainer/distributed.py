@@ -180,14 +180,16 @@ def save_sharded(
     RNG into the folder `path`; returns once every rank's part is durable (a barrier), so
     rank 0 may then write the checkpoint's meta and ack what it lists."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     path.mkdir(parents=True, exist_ok=True)
     with open(rng_file(path, world), "wb") as handle:
         torch.save(rng, handle)
         handle.flush()
         os.fsync(handle.fileno())
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    # Trainable parameters only: the frozen base of a LoRA run never changes (model.path has it).
+    options = StateDictOptions(ignore_frozen_params=True)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
     dcp.save(
         {"model": model_state, "optimizer": optimizer_state},
         storage_writer=dcp.FileSystemWriter(path, sync_files=True),
@@ -200,14 +202,20 @@ def load_sharded(
 ) -> dict[str, Any]:
     """Read what save_sharded wrote into the sharded model and optimizer; this rank's RNG."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
     if not rng_file(path, world).exists():
         raise WorldSizeError(f"{path} has no state for rank {world.rank}: it was written by fewer ranks")
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    # Trainable parameters only: the frozen base of a LoRA run never changes (model.path has it).
+    options = StateDictOptions(ignore_frozen_params=True)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, storage_reader=dcp.FileSystemReader(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    # Not strict: the frozen parameters are absent by design; every trainable one was required
+    # by dcp.load above (a key missing from the checkpoint fails there).
+    options = StateDictOptions(ignore_frozen_params=True, strict=False)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=options)  # fmt: skip
     return torch.load(rng_file(path, world), weights_only=False)
 
 
