@@ -12,6 +12,8 @@ Parts (one module each; `Scheduler` below wires them, and none imports this modu
                 records one in one MULTI/EXEC (with a train group's reward point);
 - `validation`  pure `val_round_due` / `end_round_due`, and `Validation`, which opens and
                 closes rounds;
+- `ending`      `Ending`: the end of the data (shared/dataend): tells the trainer, settles the
+                version the end round measures, waits for the nodes to serve it;
 - `control`     pause / resume / drain / limits from the `control` stream;
 - `trimming`    `Trimmer`: acknowledged `tasks`/`trajectories` entries, long-dead heartbeats;
 - `report`      events and reward points (`schemas.RewardPoint` on `rewards`).
@@ -54,7 +56,7 @@ import redis
 
 from squall.shared import bus, dataend, schemas
 from squall.shared.config import RunConfig
-from squall.shared.heartbeat import HeartbeatWriter, read_heartbeats, state_of
+from squall.shared.heartbeat import HeartbeatWriter
 from squall.shared.keys import GROUP_RUNNERS, GROUP_SCHEDULER, Keys
 from squall.shared.ledger import Ledger
 from squall.shared.logs import get_logger
@@ -65,6 +67,7 @@ from . import dataset as ds
 from .control import apply_control
 from .cursor import Cursor
 from .dispatch import Dispatcher, new_group
+from .ending import Ending
 from .groups import Group
 from .leader import Leadership
 from .outcomes import FAILED_STATUSES, Outcome, Outcomes, decide_outcome
@@ -99,12 +102,12 @@ class Scheduler:
         self.dispatcher = Dispatcher(r, keys, self.ledger, section)
         self.outcomes = Outcomes(r, keys, self.ledger, section, self.dispatcher, self.log)
         self.validation = validation.Validation(r, keys, section, self.dispatcher, self.log)
+        self.ending = Ending(r, keys, section, self.log)
         self.trimmer = Trimmer(r, keys, section.trim_every_s, self.log)
         self.cursor = Cursor()
         self.groups: dict[str, Group] = {}
         self._order: list[int] | None = None
         self.lost_lead = False  # step() saw a newer leader epoch
-        self.data_end_told = False  # the trainer was told no training group is coming
         self.counts = {
             "dispatched_groups": 0,
             "outcomes": 0,
@@ -234,7 +237,7 @@ class Scheduler:
         if self.exhausted:
             at = self.end_version()
             due = validation.end_round_due(**common, val_at_end=self.section.val_at_end, end_version=at)
-            due = due and at is not None and self._served(at)
+            due = due and at is not None and self.ending.served(at)
         else:
             due = validation.val_round_due(**common, version=version)
         if not due or at is None:
@@ -243,69 +246,15 @@ class Scheduler:
         self._committed(cursor, new)
         return True
 
-    # --- the end of the data ----------------------------------------------------------------
+    # --- the end of the data (ending.Ending) -----------------------------------------------
     def note_data_end(self) -> None:
         """Out of data, every training group rolled out: tell the trainer (shared/dataend)."""
-        if self.data_end_told or not self.exhausted or not admission.train_rolled_out(self.groups.values()):
-            return
-        if dataend.announce_data_end(self.r, self.keys, self.cursor.samples):
-            held = sum(g.mode == "train" for g in self.groups.values())
-            report.event(self.r, self.keys, "data_end", samples=self.cursor.samples, held_groups=held)
-            self.log.info("data_end", samples=self.cursor.samples, held_groups=held)
-        self.data_end_told = True
+        if self.exhausted and admission.train_rolled_out(self.groups.values()):
+            self.ending.announce(self.cursor.samples, self.groups.values())
 
     def end_version(self) -> int | None:
-        """The version the end-of-run validation measures: the trainer's last one once it has
-        answered; None while it may still be training what it holds. With no trainer to wait
-        for, or past `end_wait_s`, the newest published version (an `end_unconfirmed` event)."""
-        end = dataend.read(self.r, self.keys)
-        if end.scheduler_at is None or end.end_version is not None:
-            return end.end_version
-        waited = time.time() - end.scheduler_at
-        expected = self._trainer_expected()
-        if expected and waited < self.section.end_wait_s:
-            return None
-        version = self.trainer_version()
-        dataend.settle_unconfirmed(self.r, self.keys, version)
-        reason = f"no answer from the trainer within end_wait_s={self.section.end_wait_s:g}" if expected \
-            else "no trainer to wait for"  # fmt: skip
-        report.event(
-            self.r, self.keys, "end_unconfirmed", version=version, reason=reason, waited_s=round(waited, 1)
-        )
-        level = self.log.warning if expected else self.log.info  # no trainer: a rollout-only run
-        level("end_unconfirmed", version=version, reason=reason, waited_s=round(waited, 1))
-        return version
-
-    def _served(self, version: int) -> bool:
-        """Do the inference nodes serve `version` yet? Every live plain follower (heartbeat stat
-        `follows_newest`) must have acknowledged it in `versions`, or the end round would be
-        answered by older weights; snapshot nodes never will. Past `end_wait_s` after the end
-        was settled, the round goes out anyway (Event `end_round_nodes_behind`)."""
-        versions = self.r.hgetall(self.keys.versions)
-        behind = []
-        for name, beat, _ in read_heartbeats(self.r, self.keys):
-            if beat is None or beat.service != "inference" or state_of(beat) != "alive":
-                continue
-            if beat.stats.get("follows_newest", 1.0) and int(versions.get(name.encode(), -1)) < version:
-                behind.append(beat.instance)
-        if not behind:
-            return True
-        end = dataend.read(self.r, self.keys)
-        settled = end.trainer_at or end.scheduler_at or time.time()
-        if time.time() - settled < self.section.end_wait_s:
-            return False
-        report.event(self.r, self.keys, "end_round_nodes_behind", version=version, nodes=behind)
-        self.log.warning("end_round_nodes_behind", version=version, nodes=behind)
-        return True
-
-    def _trainer_expected(self) -> bool:
-        """Is an answer worth waiting for? A trainer beats, or died (it may be restarted); or,
-        with no trainer heartbeat at all, training groups are held for one. A trainer that
-        stopped cleanly answers nothing more."""
-        beats = [beat for name, beat, _ in read_heartbeats(self.r, self.keys) if name.startswith("trainer:")]
-        if beats:
-            return any(state_of(beat) != "stopped" for beat in beats)
-        return any(g.mode == "train" for g in self.groups.values())
+        """The version the end round measures (None: the trainer may still be training)."""
+        return self.ending.version(self.trainer_version(), self.groups.values())
 
     # --- outcomes -----------------------------------------------------------------------
     def handle(self, delivery: bus.Delivery) -> None:
