@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 
 from squall.scheduler import admission, control, validation
@@ -218,6 +219,10 @@ def test_standby_sees_live_stale_and_dead_schedulers():
     assert found.maybe  # here-11 is stale but its process exists: it may wake up
     alone = classify_others([beat("scheduler", "me-1", 0)], "scheduler:me-1", "here", 1000.0, 10.0, bool)
     assert (alone.live, alone.maybe, alone.dead) == (None, False, ())
+    name, fresh, _ = beat("scheduler", "far-6", 0)
+    stopped = (name, msgspec.structs.replace(fresh, stopped=fresh.time), "")  # exited cleanly a moment ago
+    after = classify_others([stopped], "scheduler:me-1", "here", 1000.0, 10.0, bool)
+    assert (after.live, after.maybe, after.dead) == (None, False, ())  # no leader to wait for
 
 
 def test_long_dead_heartbeats_are_pruned_and_live_or_unreadable_ones_kept():
