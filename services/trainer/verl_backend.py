@@ -244,9 +244,12 @@ class VerlBackend(TrainerBackend):
         self.vocab_size = int(hf_config.vocab_size)
         self.pad_id = int(hf_config.pad_token_id) if hf_config.pad_token_id is not None else 0
         self.actor_config = verl_actor_config(self.cfg)
-        self.reference = (
-            build_engine(config, self.device, forward_only=True) if self.cfg.kl_coef > 0 else None
-        )
+        self.reference = None
+        if self.cfg.kl_coef > 0:
+            # verl offloads a forward-only engine's parameters to pinned host memory, which needs
+            # an accelerator; on CPU the reference is a training engine that never steps (AdamW
+            # allocates its state on the first step, so it costs the same).
+            self.reference = build_engine(config, self.device, forward_only=self.device.type != "cpu")
 
     # --- one step -------------------------------------------------------------------
     def _batch(self, samples: Sequence[Sample], step_samples: int, *, train: bool) -> Any:
