@@ -102,6 +102,10 @@ class UpResult:
     def __str__(self) -> str:
         start, end = self.summary.get("val_reward_start"), self.summary.get("val_reward_end")
         shown = "n/a" if start is None or end is None else f"{start:.3f} -> {end:.3f}"
+        if end is not None:
+            from squall.tools.up import measured_word
+
+            shown += f" {measured_word(self.summary)}"
         return (
             f"run {self.summary.get('run', '?')} in {self.run_dir}: exit {self.exit_code} ({self.reason}); "
             f"validation reward {shown}; steps {self.summary.get('steps', 0)}; "

@@ -21,6 +21,7 @@ from test_trainer_e2e import start_trainer, trained_log, write_config
 from test_trainer_step import make_tiny_model, sampled_trajectory
 from waiting import wait_for
 
+from squall.api import UpResult
 from squall.scheduler.scheduler import Scheduler
 from squall.scheduler.status import collect, render
 from squall.shared import bus, dataend, schemas
@@ -28,6 +29,7 @@ from squall.shared.heartbeat import HeartbeatWriter
 from squall.shared.keys import GROUP_TRAINER, Keys
 from squall.shared.ledger import Ledger
 from squall.shared.runstate import read_snapshot
+from squall.tools.up import measured_word
 
 pytestmark = pytest.mark.redis
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,6 +113,19 @@ def test_the_end_round_waits_for_the_trainers_last_version_and_for_the_nodes_ser
     assert (
         events(r, run_name, "end_unconfirmed") == [] and events(r, run_name, "end_round_nodes_behind") == []
     )
+
+
+def test_the_summary_says_which_version_the_last_round_measured():
+    def word(measured, last):
+        return measured_word({"val_reward_end_version": measured, "trainer_last_version": last})
+
+    assert word(4, 4) == "(version 4, the final one)"
+    assert word(3, 4) == "(version 3, NOT the final version 4)"
+    assert word(3, None) == "(version 3; the trainer did not report a last version)"  # e.g. --minutes
+    assert word(None, 4) == "(no validation)" and measured_word({}) == "(no validation)"  # an old summary
+    result = UpResult(0, "done", Path("/r"), {"val_reward_start": 0.1, "val_reward_end": 0.5,
+                                              "val_reward_end_version": 4, "trainer_last_version": 4})  # fmt: skip
+    assert "validation reward 0.100 -> 0.500 (version 4, the final one)" in str(result)
 
 
 def publish_groups(r, keys: Keys, model, groups: int) -> set[str]:

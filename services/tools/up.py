@@ -60,7 +60,7 @@ def main(args: argparse.Namespace) -> int:
 
 def measured_word(summary: dict[str, Any]) -> str:
     """Which version `val_reward_end` measured, and whether it is the trainer's last one."""
-    measured, last = summary["val_reward_end_version"], summary["trainer_last_version"]
+    measured, last = summary.get("val_reward_end_version"), summary.get("trainer_last_version")
     if measured is None:
         return "(no validation)"
     if last is None:
