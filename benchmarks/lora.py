@@ -147,6 +147,7 @@ def main() -> int:
     parser.add_argument("--seq", type=int, default=512, help="sequence length of the timed steps")
     parser.add_argument("--tokens-per-step", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=3, help="steps and publications timed (median)")
+    parser.add_argument("--no-steps", action="store_true", help="skip the training steps (publication only)")
     parser.add_argument("--dir", default=None, help="where versions are written (default: a temp dir)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
@@ -158,7 +159,16 @@ def main() -> int:
             engine = start_engine(model_dir, args.device)  # a fresh node per case: LoRA needs its base
             baseline = torch.cuda.memory_allocated() if args.device.startswith("cuda") else 0
             model = backend(model_dir, args.device, rank, str(Path(tmp) / name))
-            step = step_row(model, args.seq, args.tokens_per_step, args.repeats, baseline)
+            if args.no_steps:  # publication only (a 0.5B step on a shared 2-core CPU takes minutes)
+                trained = sum(p.numel() for p in model.model.parameters() if p.requires_grad)
+                step = {
+                    "step_s": float("nan"),
+                    "tokens_per_s": 0,
+                    "trained_params": trained,
+                    "peak_gib": float("nan"),
+                }
+            else:
+                step = step_row(model, args.seq, args.tokens_per_step, args.repeats, baseline)
             # write() touches no Redis: the client is never connected.
             publisher = Publisher(redis.Redis(), Keys("lorabench"), Path(tmp) / name, keep_versions=2,
                                   adapter_config=model.adapter_config())  # fmt: skip
