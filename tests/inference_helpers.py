@@ -47,8 +47,9 @@ class NodeThread:
     def __init__(self, model_dir: str | Path, **inference: Any) -> None:
         port = free_port()
         run = inference.pop("run", {})
+        trainer = inference.pop("trainer", {})  # e.g. lora_rank: a vLLM node enables LoRA from it
         section = {"port": port, "follow_weights": False, "max_batch": 16, "max_model_len": 1024, **inference}
-        self.config = load_config(env={}, overrides={"inference": section, "run": run})
+        self.config = load_config(env={}, overrides={"inference": section, "run": run, "trainer": trainer})
         self.node = InferenceNode(self.config, str(model_dir))
         self.url = f"http://127.0.0.1:{port}"
         self.error: BaseException | None = None
