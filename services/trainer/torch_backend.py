@@ -4,7 +4,10 @@ budget accumulated into one step, gradient clipping.
 One process trains the model as it is. With more ranks (distributed.py) the model is
 sharded with FSDP2, every rank runs its share of the step's micro-batches, and the token
 weights still divide by the whole step's tokens, so the summed gradient, the update and the
-metrics are those of one process; checkpoints become sharded (torch.distributed.checkpoint)."""
+metrics are those of one process; checkpoints become sharded (torch.distributed.checkpoint).
+
+With `trainer.lora_rank` the model is wrapped by peft first (lora.py): only the adapters train,
+are checkpointed and published, and the KL reference is the base with the adapters disabled."""
 
 from __future__ import annotations
 
