@@ -54,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from squall.shared.cliargs import config_from_args
 
+    if args.trainer_ranks < 1:
+        print(f"squall up: --trainer-ranks must be at least 1, got {args.trainer_ranks}", file=sys.stderr)
+        return 2
     config = config_from_args(args)
     return Up(config, args).run()
 
