@@ -2,7 +2,9 @@
 
 `--nproc-per-node N` (and, across machines, `--nnodes M --node-rank K --rdzv-endpoint
 HOST:PORT`) starts N ranks per node through torchrun (`python -m torch.distributed.run`),
-each running this same command without the launch options; see trainer/distributed.py."""
+each running this same command without the launch options; see trainer/distributed.py.
+`--ray [--ray-address ADDR] --workers N` starts the N ranks as Ray Train workers instead
+(trainer/ray_launch.py)."""
 
 from __future__ import annotations
 
@@ -40,6 +42,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="HOST:PORT",
         help="node 0's address and a free port, the same on every node",
     )
+    ray = parser.add_argument_group("several ranks on a Ray cluster (Ray Train)")
+    ray.add_argument("--ray", action="store_true", help="start the ranks as Ray Train workers")
+    ray.add_argument(
+        "--ray-address",
+        metavar="ADDR",
+        help="the cluster's head (HOST:PORT); default: a cluster of this machine",
+    )
+    ray.add_argument("--workers", type=int, default=1, metavar="N", help="Ray workers = ranks (default 1)")
 
 
 def torchrun_command(args: argparse.Namespace) -> list[str]:
@@ -135,12 +145,36 @@ def main(args: argparse.Namespace) -> int:
     from .distributed import WorldSizeError
 
     try:
+        if args.ray or args.ray_address:
+            return ray_launch(args)
         if args.nproc_per_node is not None or args.nnodes > 1:
             if args.nproc_per_node is None:
                 raise WorldSizeError("--nnodes needs --nproc-per-node (ranks on each machine)")
             return launch(args)
         return run_rank(args)
     except (WorldSizeMismatch, WorldSizeError) as exc:
+        print(f"squall trainer: {exc}", file=sys.stderr)
+        return EXIT_BAD_WORLD
+
+
+def ray_launch(args: argparse.Namespace) -> int:
+    """The ranks as Ray Train workers (trainer/ray_launch.py); the exit code."""
+    from squall.shared.cliargs import config_from_args
+    from squall.shared.logs import configure_logging
+
+    from .checkpoint import CheckpointStore
+    from .ray_launch import RayLaunchError
+    from .ray_launch import launch as launch_on_ray
+
+    if args.nproc_per_node is not None:
+        print("squall trainer: --ray starts the ranks itself: drop --nproc-per-node", file=sys.stderr)
+        return EXIT_BAD_WORLD
+    config = config_from_args(args, trainer={"backend": args.backend, "max_steps": args.max_steps})
+    configure_logging("trainer", config.run.name, level=config.run.log_level)
+    CheckpointStore.check_world_size(Path(config.run.dir) / "checkpoints", args.workers)
+    try:
+        return launch_on_ray(config, args.backend, workers=args.workers, address=args.ray_address)
+    except RayLaunchError as exc:
         print(f"squall trainer: {exc}", file=sys.stderr)
         return EXIT_BAD_WORLD
 

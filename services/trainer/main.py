@@ -32,6 +32,7 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -188,7 +189,9 @@ class Trainer:
             self._step(self.books.take_ready(take), last=take == len(self.books.ready))
         self._flush()
         newest = self.r.xrevrange(self.keys.weights, count=1)
-        published_step = schemas.decode(newest[0][1][schemas.ENTRY_FIELD], schemas.WeightVersion).step if newest else -1
+        published_step = (
+            schemas.decode(newest[0][1][schemas.ENTRY_FIELD], schemas.WeightVersion).step if newest else -1
+        )
         if published_step < self.state.step:  # steps since the last publication (publish_every > 1)
             self._commit(bump=True)
             self.publisher.publish(self.state.version, self.state.step, self.backend.weights())
@@ -453,12 +456,19 @@ def run(config: RunConfig, backend: str | None = None) -> int:
         distributed.shutdown()
 
 
+def _on_signal(signum: int, handler: Any) -> None:
+    """Install a signal handler where Python allows it: the main thread. A Ray Train worker runs
+    the trainer in a thread of its actor; there Ray stops the ranks (its actors) itself."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signum, handler)
+
+
 def _follow(config: RunConfig, backend: str | None, world: distributed.World, group: Any) -> int:
     log = get_logger(service="trainer", run=config.run.name)
     # torchrun passes a SIGTERM to every rank; only rank 0 decides when to stop (after the
     # step and its checkpoint, which need us), so a follower waits for rank 0's stop.
-    signal.signal(signal.SIGTERM, lambda *_: log.info("rank_sigterm_waits_for_rank0", rank=world.rank))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _on_signal(signal.SIGTERM, lambda *_: log.info("rank_sigterm_waits_for_rank0", rank=world.rank))
+    _on_signal(signal.SIGINT, signal.SIG_IGN)
     model = make_backend(backend or config.trainer.backend, config)
     log.info("rank_following", rank=world.rank, world_size=world.world_size)
     code = distributed.follow(model, group)
@@ -481,8 +491,8 @@ def run_trainer(
     from squall.ops.health import start_health_server
 
     early_stop: list[int] = []  # a signal that came while the model was loading
-    signal.signal(signal.SIGTERM, lambda signum, _frame: early_stop.append(signum))
-    signal.signal(signal.SIGINT, lambda signum, _frame: early_stop.append(signum))
+    _on_signal(signal.SIGTERM, lambda signum, _frame: early_stop.append(signum))
+    _on_signal(signal.SIGINT, lambda signum, _frame: early_stop.append(signum))
     built: list[Trainer] = []
     health, port = start_health_server(
         config.trainer.metrics_host, config.trainer.metrics_port,
@@ -494,8 +504,8 @@ def run_trainer(
         trainer.metrics_port = port
         trainer.stopping = bool(early_stop)
         built.append(trainer)
-        signal.signal(signal.SIGTERM, trainer.request_stop)
-        signal.signal(signal.SIGINT, trainer.request_stop)
+        _on_signal(signal.SIGTERM, trainer.request_stop)
+        _on_signal(signal.SIGINT, trainer.request_stop)
         return trainer.run()
     finally:
         health.close()

@@ -212,7 +212,7 @@ def _init_process_group(cfg: TrainerSection, device: torch.device) -> Any:
 
     world = current_world()
     if world.distributed or dist.is_initialized():
-        return init_world(cfg.device, float(getattr(cfg, "collective_timeout_s", 600.0)))
+        return init_world(cfg.device, cfg.collective_timeout_s)
     # One process: rendezvous through a fresh file, not a TCP port that another process (or a
     # trainer killed a moment ago) may hold.
     handle, path = tempfile.mkstemp(prefix="squall-pg-")
