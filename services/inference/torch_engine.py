@@ -264,7 +264,7 @@ class TorchEngine(Engine):
     # --- engine thread ----------------------------------------------------------------
     def _reset_batch(self) -> None:
         self._seqs: list[_Sequence] = []
-        self._cache: Any = None  # DynamicCache of the running rows
+        self._cache: Any = None  # DynamicCache of the running rows (kvcache.py: grows in place)
         self._mask = torch.zeros(0, 0, dtype=torch.long)  # (B, T) 1 where a row attends
         self._pos = torch.zeros(0, dtype=torch.long)  # (B,) position id of each row's next token
         self._last = torch.zeros(0, dtype=torch.long)  # (B,) each row's last sampled token
@@ -337,7 +337,7 @@ class TorchEngine(Engine):
         return admitted
 
     def _prefill(self, requests: list[_Request]) -> None:
-        from transformers import DynamicCache
+        from .kvcache import roomy_cache
 
         length = max(len(r.prompt_ids) for r in requests)
         ids = torch.full((len(requests), length), self.pad_id, dtype=torch.long)
@@ -351,7 +351,7 @@ class TorchEngine(Engine):
             input_ids=ids.to(self.device),
             attention_mask=mask.to(self.device),
             position_ids=positions.to(self.device),
-            past_key_values=DynamicCache(config=self.model.config),
+            past_key_values=roomy_cache(self.model.config),
             use_cache=True,
             logits_to_keep=1,
         )
