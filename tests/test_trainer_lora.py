@@ -322,3 +322,43 @@ def test_a_lora_run_through_squall_up_publishes_adapters_that_inference_serves(t
     for folder in published:  # every version, the initial one too, is an adapter and nothing else
         assert sorted(f.name for f in folder.iterdir()) == [ADAPTER_CONFIG, ADAPTER_WEIGHTS], folder
         assert (folder / ADAPTER_WEIGHTS).stat().st_size < 0.2 * (POLICY / "model.safetensors").stat().st_size
+
+
+@pytest.mark.gpu
+def test_lora_step_and_merge_on_cuda(tmp_path):
+    """The CUDA path: a LoRA step under bf16 autocast, then a CUDA engine (float32, so the
+    check is the merge's, not bf16's) serving the adapter gives the trainer's logits."""
+    from optional import need
+
+    from squall.trainer.publish import write_adapter
+
+    need("gpu", torch.cuda.is_available(), "no CUDA GPU here (torch.cuda.is_available() is False)")
+    backend = make_backend("torch", lora_config(tmp_path, device="cuda", lr=1e-2))
+    samples = fixed_samples(AutoModelForCausalLM.from_pretrained(str(POLICY)))  # sampled on CPU
+    before = {n: p.detach().clone() for n, p in backend.model.named_parameters() if not p.requires_grad}
+    backend.train_step(samples)
+    assert all(torch.equal(p, before[n]) for n, p in backend.model.named_parameters() if not p.requires_grad)
+    folder = tmp_path / "v000001"
+    write_adapter(folder, backend.weights(), backend.adapter_config(), version=1)
+    backend.model.eval()
+    with torch.no_grad():
+        trainer = backend.model(input_ids=PROBE.cuda()).logits.float().cpu()
+        with backend.model.disable_adapter():
+            base = backend.model(input_ids=PROBE.cuda()).logits.float().cpu()
+
+    async def serve() -> torch.Tensor:
+        section = load_config(
+            env={}, overrides={"inference": {"device": "cuda", "dtype": "float32"}}
+        ).inference
+        engine = TorchEngine(str(POLICY), section)
+        await engine.start()
+        try:
+            await engine.apply_adapter(1, str(folder))
+            with torch.no_grad():
+                return engine.model(input_ids=PROBE.cuda()).logits.float().cpu()
+        finally:
+            await engine.stop()
+
+    served = asyncio.run(serve())
+    assert (trainer - base).abs().max() > 1e-2  # the step moved the adapter
+    torch.testing.assert_close(served, trainer, rtol=1e-3, atol=1e-3)  # TF32 matmuls on the GPU
