@@ -41,16 +41,6 @@ class LossOutput:
 LOGIT_CHUNK = 2048
 
 
-def _chunks(logits: torch.Tensor) -> list[tuple[int, slice]]:
-    """(row, positions) views covering (B, T, V) logits, at most LOGIT_CHUNK positions each."""
-    batch, length = logits.shape[:2]
-    return [
-        (row, slice(start, min(start + LOGIT_CHUNK, length)))
-        for row in range(batch)
-        for start in range(0, length, LOGIT_CHUNK)
-    ]
-
-
 def _picked_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """(N, V) logits, (N,) targets -> log p(target) in float32."""
     chunk = logits.float()
@@ -60,30 +50,36 @@ def _picked_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """logits (B, T, V), targets (B, T) -> log p(target) (B, T), in float32.
 
-    Chunk by chunk; with gradients, each chunk is recomputed in backward (activation
-    checkpointing) instead of keeping its float32 copy alive until then."""
+    Row by row, LOGIT_CHUNK positions at a time (unbind/split views, whose backward assembles
+    one gradient instead of a zero-filled copy per slice); with gradients, each chunk is
+    recomputed in backward (activation checkpointing) instead of keeping its float32 copy."""
     from torch.utils.checkpoint import checkpoint
 
-    out = torch.empty(targets.shape, dtype=torch.float32, device=logits.device)
-    parts = []
-    for row, positions in _chunks(logits):
-        chunk, picked = logits[row, positions], targets[row, positions]
-        if logits.requires_grad and torch.is_grad_enabled():
-            parts.append(checkpoint(_picked_logprobs, chunk, picked, use_reentrant=False))
-        else:
-            out[row, positions] = _picked_logprobs(chunk, picked)
-    if parts:  # differentiable: assembled from the pieces rather than written in place
-        return torch.cat(parts).view(targets.shape)
-    return out
+    differentiable = logits.requires_grad and torch.is_grad_enabled()
+    rows = []
+    for row_logits, row_targets in zip(logits.unbind(0), targets.unbind(0), strict=True):
+        pieces = [
+            checkpoint(_picked_logprobs, chunk, picked, use_reentrant=False)
+            if differentiable
+            else _picked_logprobs(chunk, picked)
+            for chunk, picked in zip(
+                row_logits.split(LOGIT_CHUNK), row_targets.split(LOGIT_CHUNK), strict=True
+            )
+        ]
+        rows.append(torch.cat(pieces) if pieces else row_targets.new_zeros(0, dtype=torch.float32))
+    if not rows:
+        return torch.zeros(targets.shape, dtype=torch.float32, device=logits.device)
+    return torch.stack(rows)
 
 
 @torch.no_grad()
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     """logits (B, T, V) -> entropy of each position's distribution (B, T), chunk by chunk."""
     out = torch.empty(logits.shape[:2], dtype=torch.float32, device=logits.device)
-    for row, positions in _chunks(logits):
-        logp = torch.log_softmax(logits[row, positions].float(), dim=-1)
-        out[row, positions] = -(logp.exp() * logp).sum(-1)
+    for row, row_logits in enumerate(logits.unbind(0)):
+        for start in range(0, row_logits.shape[0], LOGIT_CHUNK):
+            logp = torch.log_softmax(row_logits[start : start + LOGIT_CHUNK].float(), dim=-1)
+            out[row, start : start + LOGIT_CHUNK] = -(logp.exp() * logp).sum(-1)
     return out
 
 
