@@ -270,3 +270,32 @@ def test_verl_two_ranks_step_equals_one_process(tmp_path, trainer):
         for name, value in single_metrics.items():
             if name != "microbatches":  # verl chooses its own split per rank
                 assert metrics[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
+
+
+@pytest.mark.verl
+@pytest.mark.redis
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "launch", [("--nproc-per-node", "2"), ("--ray", "--workers", "2")], ids=["torchrun", "ray"]
+)
+def test_verl_trainer_on_two_ranks_publishes_the_one_process_step(tmp_path, r, redis_url, run_name, launch):
+    """The whole trainer with the verl backend, its ranks started by torchrun or by Ray Train,
+    publishes the weights of the same first step taken by one process (the model's norm)."""
+    need_verl()
+    from test_trainer_ray import one_step, published_weights
+
+    model_path = make_tiny_model(tmp_path / "model")
+    single = one_step(tmp_path / "single", r, redis_url, run_name, model_path, "--backend", "verl")
+    ranks = one_step(
+        tmp_path / "ranks", r, redis_url, f"{run_name}x", model_path, "--backend", "verl", *launch
+    )
+    want, got = published_weights(single, 1), published_weights(ranks, 1)
+    assert list(ranks.glob("checkpoints/**/rng-00001.pt"))  # two ranks each saved their part
+    assert want.keys() == got.keys()
+    off = sum(float(torch.linalg.norm(got[k] - w)) ** 2 for k, w in want.items()) ** 0.5
+    size = sum(float(torch.linalg.norm(w)) ** 2 for w in want.values()) ** 0.5
+    assert off <= 1e-5 * size, (off, size)
+    from safetensors.torch import load_file
+
+    before = load_file(str(model_path / "model.safetensors"))
+    assert max(float((want[k] - before[k]).abs().max()) for k in before) > 1e-5  # the step moved them
