@@ -75,10 +75,6 @@ class HeartbeatWriter:
         """`stop` on an asyncio Redis client."""
         await self.r.hset(self.keys.heartbeats, self.field, self._stopped_beat(stats))
 
-    def remove(self) -> None:
-        """Forget the heartbeat altogether (`stop` is what a clean exit calls)."""
-        self.r.hdel(self.keys.heartbeats, self.field)
-
 
 def read_heartbeats(r: redis.Redis, keys: Keys) -> list[tuple[str, schemas.Heartbeat | None, str]]:
     """Every heartbeat as (field, decoded or None, error text); sorted by field."""
