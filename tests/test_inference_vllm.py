@@ -282,3 +282,71 @@ def test_cpu_refuses_a_head_size_without_kernels_at_start(tmp_path):
     with pytest.raises(ValueError, match="does not support head size 16 .*use the torch backend"):
         asyncio.run(engine.start())
     assert engine.llm is None
+
+
+def random_adapter(model, folder, *, version: int, seed: int):
+    """A rank-8 adapter with random A and B on every q_proj and v_proj of `model`, written by the
+    trainer's adapter writer (peft's layout); returns its checksum and the model it makes
+    (the torch engine's merge, which tests/test_trainer_lora.py checks against peft's)."""
+    from squall.inference.adapters import merged_copy
+    from squall.trainer.publish import write_adapter
+
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, module in model.named_modules():
+        if name.endswith(("q_proj", "v_proj")):
+            out_features, in_features = module.weight.shape
+            tensors[f"base_model.model.{name}.lora_A.weight"] = (
+                torch.randn(8, in_features, generator=gen) * 0.3
+            )
+            tensors[f"base_model.model.{name}.lora_B.weight"] = (
+                torch.randn(out_features, 8, generator=gen) * 0.3
+            )
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 8, "lora_alpha": 16, "lora_dropout": 0.0,
+        "target_modules": ["q_proj", "v_proj"], "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+        "use_dora": False, "modules_to_save": None, "base_model_name_or_path": None,
+    }  # fmt: skip
+    checksum = write_adapter(folder, tensors, config, version=version)
+    return checksum, merged_copy(model, folder)
+
+
+def test_lora_adapters_are_served_through_vllms_lora_api(tiny_dir, models, redis_url, tmp_path):
+    """A node of a LoRA run (trainer.lora_rank = 8): vLLM starts with enable_lora; each
+    published adapter is registered and tagged on new requests; greedy replies match the base
+    with that adapter merged (v2 replaces v1, never stacks on it)."""
+    name = f"l{uuid.uuid4().hex[:8]}"
+    settings = {"name": name, "redis_url": redis_url, "autostart_redis": False}
+    r = redis.Redis.from_url(redis_url)
+    node = NodeThread(tiny_dir, backend="vllm", dtype="float32", api_key=API_KEY, max_batch=8,
+                      follow_weights=True, node="lora", run=settings, trainer={"lora_rank": 8}).start(600)  # fmt: skip
+    try:
+        client = node.client()
+
+        def greedy():
+            reply = client.chat.completions.create(
+                model="policy", messages=MESSAGES, max_tokens=16, temperature=0, logprobs=True,
+                extra_body={"return_token_ids": True, "ignore_eos": True},
+            )  # fmt: skip
+            c = reply.choices[0]
+            return (reply.model_extra["weight_version"], c.model_extra["prompt_token_ids"],
+                    c.model_extra["token_ids"], [e.logprob for e in c.logprobs.content])  # fmt: skip
+
+        version, prompt_ids, base_ids, base_logprobs = greedy()
+        assert version == 0
+        assert_logprobs_match(models[0], prompt_ids, base_ids, base_logprobs)
+        for version, seed in ((1, 11), (2, 22)):
+            folder = tmp_path / f"v{version:06d}"
+            checksum, expected = random_adapter(models[0], folder, version=version, seed=seed)
+            bus.publish(r, Keys(name).weights, schemas.WeightVersion(
+                run=name, version=version, step=version, location=str(folder), checksum=checksum, format="lora"))  # fmt: skip
+            wait_for(lambda v=version: r.hget(Keys(name).versions, "inference:lora") == str(v).encode(), 120,
+                     f"adapter v{version} applied")  # fmt: skip
+            got_version, prompt_ids, ids, logprobs = greedy()
+            assert got_version == version
+            assert_logprobs_match(expected, prompt_ids, ids, logprobs)
+            base = recompute_logprobs(models[0], prompt_ids, ids)
+            assert max(abs(a - b) for a, b in zip(logprobs, base, strict=True)) > 0.05  # the adapter matters
+    finally:
+        node.stop()
+        r.close()
