@@ -1,8 +1,11 @@
 """LoRA training on the real calc policy: only adapters train, the base stays bit-identical,
 the KL reference is the base; the published adapter is small, verifies by its checksum, and a
 fresh torch inference engine merging it gives the trainer's logits (a second version replaces
-the first, never stacks) and `squall export` writes it merged; checkpoints round-trip; bad targets and mismatched checkpoints are
-refused with errors naming the field; two gloo ranks make the single-process step."""
+the first, never stacks) and `squall export` writes it merged; a real node applies adapters
+and rejects a tampered one; checkpoints round-trip; bad targets and mismatched checkpoints are
+refused with errors naming the field; two gloo ranks make the single-process step and resume
+a sharded checkpoint; a `squall up` run serves adapters end to end; and (marker gpu) the CUDA
+path. The vLLM side is in test_inference_vllm.py."""
 
 from __future__ import annotations
 
