@@ -1,7 +1,8 @@
 """The torch engine's in-place KV cache (kvcache.py) against transformers' DynamicCache: the
 same tiny model decoding the same tokens must see the same keys, values and logits, through
 in-place steps, a buffer growing past GROWTH_STEP, rows dropped and leading columns trimmed
-(what the engine does to `keys`/`values` between steps)."""
+and newly prefilled rows stacked below running ones (what the engine does between steps).
+transformers' own layers take the plain path of the same functions (pad and concatenate)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from squall.inference.kvcache import GROWTH_STEP, RoomyLayer, _append, roomy_cache
+from squall.inference.kvcache import GROWTH_STEP, RoomyLayer, _append, roomy_cache, stack_caches
 from squall.inference.tiny import build_tiny_model
 
 torch.set_num_threads(1)
@@ -94,4 +95,52 @@ def test_roomy_cache_after_rows_are_dropped_and_trimmed(model):
         expected = _decode(model, DynamicCache(config=model.config), prompt, 20, _drop_row_and_trim)
         got = _decode(model, roomy_cache(model.config), prompt, 20, _drop_row_and_trim)
     assert got.shape == expected.shape == (2, 21, model.config.vocab_size)
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def _prefill(model, cache, prompt):
+    mask = torch.ones_like(prompt)
+    out = model(input_ids=prompt, attention_mask=mask, past_key_values=cache, use_cache=True)
+    return out.logits[:, -1], mask
+
+
+def _merged_decode(model, make_cache, running, newcomer, steps):
+    """Decode `running` a few steps, stack a prefilled `newcomer` below it (left-padded to one
+    width, as the engine merges admissions), decode all rows on; logits of the last steps."""
+    cache = make_cache(model.config)
+    logits, mask = _prefill(model, cache, running)
+    for _ in range(3):
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+        out = model(
+            input_ids=logits.argmax(-1, keepdim=True), attention_mask=mask,
+            position_ids=mask.sum(-1, keepdim=True) - 1, past_key_values=cache, use_cache=True,
+        )  # fmt: skip
+        logits = out.logits[:, -1]
+    other = make_cache(model.config)
+    new_logits, new_mask = _prefill(model, other, newcomer)
+    width = max(mask.shape[1], new_mask.shape[1])
+    stack_caches(cache, other, width)
+    pad = torch.nn.functional.pad
+    mask = torch.cat([pad(mask, (width - mask.shape[1], 0)), pad(new_mask, (width - new_mask.shape[1], 0))])
+    logits, seen = torch.cat([logits, new_logits]), []
+    for _ in range(steps):
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+        out = model(
+            input_ids=logits.argmax(-1, keepdim=True), attention_mask=mask,
+            position_ids=mask.sum(-1, keepdim=True) - 1, past_key_values=cache, use_cache=True,
+        )  # fmt: skip
+        logits = out.logits[:, -1]
+        seen.append(logits)
+    return torch.stack(seen, 1)
+
+
+@pytest.mark.parametrize("newcomer_length", [4, 12])  # shorter and longer than the running rows
+def test_stacking_newcomers_matches_pad_and_concatenate(model, newcomer_length):
+    gen = torch.Generator().manual_seed(newcomer_length)
+    running = torch.randint(10, model.config.vocab_size, (2, 7), generator=gen)
+    newcomer = torch.randint(10, model.config.vocab_size, (1, newcomer_length), generator=gen)
+    with torch.inference_mode():
+        expected = _merged_decode(model, lambda c: DynamicCache(config=c), running, newcomer, 12)
+        got = _merged_decode(model, roomy_cache, running, newcomer, 12)
+    assert got.shape == (3, 12, model.config.vocab_size)
     assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)

@@ -32,6 +32,17 @@ def roomy_cache(config: Any) -> Any:
     return cache
 
 
+def stack_caches(cache: Any, other: Any, width: int) -> None:
+    """Append `other`'s rows below `cache`'s, layer by layer, both left-padded with zeros to
+    `width` columns (the engine merging newly prefilled requests into its running batch)."""
+    for layer, new in zip(cache.layers, other.layers, strict=True):
+        if isinstance(layer, RoomyLayer):
+            layer.stack(new, width)
+        else:
+            layer.keys = torch.cat([_pad_left(layer.keys, width), _pad_left(new.keys, width)])
+            layer.values = torch.cat([_pad_left(layer.values, width), _pad_left(new.values, width)])
+
+
 class RoomyLayer(DynamicLayer):
     """A DynamicLayer whose keys/values (B, H, T, D) are the front of a (B, H, C, D) buffer."""
 
@@ -55,6 +66,19 @@ class RoomyLayer(DynamicLayer):
         self._key_room = self._value_room = None
         super().reset()
 
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep rows `indices`: the buffer's rows are gathered whole (room included), one copy."""
+        if self.get_seq_length() == 0:
+            return
+        self.keys, self._key_room = _select(self.keys, self._key_room, indices)
+        self.values, self._value_room = _select(self.values, self._value_room, indices)
+
+    def stack(self, other: DynamicLayer, width: int) -> None:
+        """Append `other`'s rows below this layer's, both left-padded with zeros to `width`
+        columns, written once into a new buffer with room."""
+        self.keys, self._key_room = _stack(self.keys, other.keys, width)
+        self.values, self._value_room = _stack(self.values, other.values, width)
+
 
 def _append(
     cached: torch.Tensor, new: torch.Tensor, room: torch.Tensor | None
@@ -63,18 +87,53 @@ def _append(
     of `room` (B, H, C, D); written in place when `cached` already is that front and C has
     room for N more, else into a new buffer. Returns (the view, the buffer)."""
     length, added = cached.shape[-2], new.shape[-2]
-    in_place = (
-        room is not None
-        and cached.shape[0] == room.shape[0]
-        and cached.data_ptr() == room.data_ptr()
-        and cached.stride() == room.stride()
-        and length + added <= room.shape[-2]
-    )
-    if not in_place:
-        capacity = (length + added) // GROWTH_STEP * GROWTH_STEP + GROWTH_STEP
+    if not (_is_front(cached, room) and length + added <= room.shape[-2]):  # type: ignore[union-attr]
         batch, heads, _, dim = new.shape
-        room = new.new_empty((batch, heads, capacity, dim))
+        room = new.new_empty((batch, heads, _capacity(length + added), dim))
         room[:, :, :length] = cached
     assert room is not None
     room[:, :, length : length + added] = new
     return room[:, :, : length + added], room
+
+
+def _is_front(cached: torch.Tensor, room: torch.Tensor | None) -> bool:
+    """Whether `cached` is the view room[:, :, :T]."""
+    return (
+        room is not None
+        and cached.shape[0] == room.shape[0]
+        and cached.data_ptr() == room.data_ptr()
+        and cached.stride() == room.stride()
+    )
+
+
+def _select(
+    cached: torch.Tensor, room: torch.Tensor | None, indices: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if not _is_front(cached, room):
+        return cached[indices], None  # the next update gives it room
+    assert room is not None
+    room = room.index_select(0, indices)
+    return room[:, :, : cached.shape[-2]], room
+
+
+def _stack(top: torch.Tensor, bottom: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B1, H, t1, D) over (B2, H, t2, D), each right-aligned in `width` columns (zeros before:
+    masked positions must hold finite numbers, as attention multiplies them by weight 0)."""
+    rows = top.shape[0]
+    batch, heads, _, dim = bottom.shape
+    room = bottom.new_empty((rows + batch, heads, _capacity(width), dim))
+    for part, block in ((top, room[:rows]), (bottom, room[rows:])):
+        length = part.shape[-2]
+        block[:, :, : width - length].zero_()
+        block[:, :, width - length : width] = part
+    return room[:, :, :width], room
+
+
+def _capacity(length: int) -> int:
+    """Room for `length` columns and at least one more, in whole GROWTH_STEPs."""
+    return length // GROWTH_STEP * GROWTH_STEP + GROWTH_STEP
+
+
+def _pad_left(x: torch.Tensor, width: int) -> torch.Tensor:
+    """(B, H, t, D) -> (B, H, width, D), zeros in front."""
+    return torch.nn.functional.pad(x, (0, 0, width - x.shape[-2], 0))

@@ -41,6 +41,7 @@ from squall.shared.weightfiles import read_index
 
 from .detokenize import Detokenizer, decoder_of
 from .engine import Delta, Engine, SamplingParams
+from .kvcache import roomy_cache, stack_caches
 from .sampling import sample
 from .shardload import iter_shards
 
@@ -337,8 +338,6 @@ class TorchEngine(Engine):
         return admitted
 
     def _prefill(self, requests: list[_Request]) -> None:
-        from .kvcache import roomy_cache
-
         length = max(len(r.prompt_ids) for r in requests)
         ids = torch.full((len(requests), length), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(requests), length), dtype=torch.long)
@@ -377,9 +376,7 @@ class TorchEngine(Engine):
             self._last = self._last[:0].to(self.device)
             return
         width = max(self._mask.shape[1], mask.shape[1])
-        for old, new in zip(self._cache.layers, cache.layers, strict=True):
-            old.keys = torch.cat([_pad_left(old.keys, width), _pad_left(new.keys, width)])
-            old.values = torch.cat([_pad_left(old.values, width), _pad_left(new.values, width)])
+        stack_caches(self._cache, cache, width)
         self._mask = torch.cat(
             [F.pad(self._mask, (width - self._mask.shape[1], 0)), F.pad(mask, (width - mask.shape[1], 0))]
         )
@@ -455,8 +452,3 @@ class TorchEngine(Engine):
             self._mask = self._mask[:, first:]
             for layer in self._cache.layers:
                 layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
-
-
-def _pad_left(x: torch.Tensor, width: int) -> torch.Tensor:
-    """(B, H, t, D) -> (B, H, width, D), zeros in front."""
-    return F.pad(x, (0, 0, width - x.shape[-2], 0))
