@@ -414,6 +414,20 @@ def rank_steps(args: argparse.Namespace, vocab: int) -> list[list]:
     ]
 
 
+def floor_steps(args: argparse.Namespace) -> list[list]:
+    """Steps of 2 trajectories of 8 tokens: almost no compute, so what a step at 2 ranks costs
+    beyond 1 rank is the distributed floor (all-gathers, reduce-scatter, broadcasts, reduces)."""
+    trajectories = make_trajectories("floor", args.steps + 1, 2, 1, 4, 4, 0, 512, 1)
+    return [
+        [
+            s
+            for i, t in enumerate(trajectories[k : k + 2])
+            for s in trajectory_to_samples(t, advantage=1.0 - 2 * i)
+        ]
+        for k in range(0, len(trajectories), 2)
+    ]
+
+
 def timed_steps(backend, steps: list[list]) -> tuple[list[float], float]:
     """Seconds of each step after the warm-up one, and the trained tokens per step."""
     import torch.distributed as dist
@@ -429,7 +443,7 @@ def timed_steps(backend, steps: list[list]) -> tuple[list[float], float]:
     return times, metrics["tokens"]
 
 
-def rank_worker(rank: int, world_size: int, port: int, model_path: str, run_dir: str, steps: list[list],
+def rank_worker(rank: int, world_size: int, port: int, model_path: str, run_dir: str, steps: dict[str, list],
                 groups_per_step: int, out: str) -> None:  # fmt: skip
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
@@ -439,20 +453,20 @@ def rank_worker(rank: int, world_size: int, port: int, model_path: str, run_dir:
     distributed.init_world("cpu", 300)
     try:
         backend = make_backend("torch", rank_config(Path(model_path), Path(run_dir), groups_per_step))
-        times, tokens = timed_steps(backend, steps)
+        measured = {name: timed_steps(backend, batches) for name, batches in steps.items()}
         if rank == 0:
-            Path(out).write_text(json.dumps({"times": times, "tokens": tokens}))
+            Path(out).write_text(json.dumps(measured))
     finally:
         distributed.shutdown()
 
 
-def world_size_case(model_path: Path, tmp: Path, steps: list[list], args: argparse.Namespace,
+def world_size_case(model_path: Path, tmp: Path, steps: dict[str, list], args: argparse.Namespace,
                     world_size: int, threads: int) -> dict:  # fmt: skip
-    """Median step time and trained tokens/s of one case."""
+    """Median step time and trained tokens/s of one case, and its step time on the floor batch."""
     if world_size == 1:
         torch.set_num_threads(threads)
         backend = make_backend("torch", rank_config(model_path, tmp / "run1", args.groups_per_step))
-        times, tokens = timed_steps(backend, steps)
+        measured = {name: timed_steps(backend, batches) for name, batches in steps.items()}
     else:
         import socket
 
@@ -465,10 +479,10 @@ def world_size_case(model_path: Path, tmp: Path, steps: list[list], args: argpar
         mp.spawn(rank_worker, args=(world_size, port, str(model_path), str(tmp / f"run{world_size}"), steps,
                                     args.groups_per_step, str(out)), nprocs=world_size)  # fmt: skip
         measured = json.loads(out.read_text())
-        times, tokens = measured["times"], measured["tokens"]
+    times, tokens = measured["full"]
     step_s = float(np.median(times))
     return {"world_size": world_size, "threads_per_rank": threads, "step_s": round(step_s, 4),
-            "tokens_per_s": round(tokens / step_s, 1)}  # fmt: skip
+            "tokens_per_s": round(tokens / step_s, 1), "floor_step_s": round(float(np.median(measured["floor"][0])), 4)}  # fmt: skip
 
 
 def world_sizes(args: argparse.Namespace) -> int:
@@ -482,7 +496,7 @@ def world_sizes(args: argparse.Namespace) -> int:
         tmp = Path(tmp_name)
         for name in args.rank_models:
             model_path = build_tiny_model(tmp / name, **RANK_MODELS[name])
-            steps = rank_steps(args, vocab=512)
+            steps = {"full": rank_steps(args, vocab=512), "floor": floor_steps(args)}
             cases = [world_size_case(model_path, tmp, steps, args, ws, threads)
                      for ws, threads in ((1, 1), (1, 2), (2, 1))]  # fmt: skip
             one = cases[0]["step_s"]
@@ -493,9 +507,11 @@ def world_sizes(args: argparse.Namespace) -> int:
             # what two ranks cost beyond half the one-rank step: communication and the FSDP overhead
             two["overhead_vs_half_of_1_rank_s"] = round(two["step_s"] - one / 2, 4)
             two["speedup_vs_1_rank_1_thread"] = round(one / two["step_s"], 2)
+            # the same on an 8-token batch: the per-step cost of being distributed, nearly without compute
+            two["floor_overhead_s"] = round(two["floor_step_s"] - cases[0]["floor_step_s"], 4)
             results += cases
     print(json.dumps({"trajectories_per_step": args.groups_per_step * args.group_size,
-                      "tokens_per_step": sum(s.length for s in steps[1]), "cpu_cores": os.cpu_count(),
+                      "tokens_per_step": sum(s.length for s in steps["full"][1]), "cpu_cores": os.cpu_count(),
                       "cases": results}, indent=2))  # fmt: skip
     return 0
 

@@ -144,7 +144,7 @@ def test_cli_refuses_more_ranks_than_gpus(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "0 CUDA device(s)" in proc.stderr and "--nproc-per-node 0 or fewer" in proc.stderr
+    assert "0 CUDA device(s): run it on a GPU machine, or set trainer.device = 'cpu'" in proc.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()  # refused before anything started
 
 

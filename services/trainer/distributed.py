@@ -80,10 +80,12 @@ def check_devices(device: str, ranks_per_node: int) -> None:
         return
     have = torch.cuda.device_count()
     if ranks_per_node > have:
+        fix = (
+            f"pass --nproc-per-node {have} or fewer (one rank per GPU)" if have else "run it on a GPU machine"
+        )
         raise WorldSizeError(
             f"{ranks_per_node} ranks per node asked for with trainer.device={device!r}, but this node has "
-            f"{have} CUDA device(s): pass --nproc-per-node {have} or fewer (one rank per GPU), "
-            "or set trainer.device = 'cpu'"
+            f"{have} CUDA device(s): {fix}, or set trainer.device = 'cpu' (ranks on CPU, over gloo)"
         )
 
 
