@@ -129,7 +129,9 @@ def test_launch_command_and_its_bad_input():
     with pytest.raises(WorldSizeError, match="--node-rank"):
         torchrun_command(launch_args(nnodes=2))
     if torch.cuda.device_count() < 64:
-        with pytest.raises(WorldSizeError, match=r"--nproc-per-node \d+ or fewer"):
+        have = torch.cuda.device_count()
+        advice = f"--nproc-per-node {have} or fewer" if have else "run it on a GPU machine"
+        with pytest.raises(WorldSizeError, match=f"has {have} CUDA device\\(s\\): {advice}"):
             check_devices("cuda", 64)
     check_devices("cpu", 64)  # CPU ranks are not limited by devices
 
