@@ -107,7 +107,8 @@ def test_verl_dual_clip_and_tis_differ_only_past_the_cap_for_negative_advantages
     same value everywhere; their gradients differ only where A < 0 and ratio > c: there
     dual clip makes the term the constant -A*c (gradient 0), TIS keeps -A*c*grad(logp)."""
     need_verl()
-    from verl.trainer.ppo.core_algos import compute_policy_loss
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.core_algos import compute_policy_loss_vanilla
 
     from squall.trainer.losses import ppo_tis_token_loss
 
@@ -124,9 +125,10 @@ def test_verl_dual_clip_and_tis_differ_only_past_the_cap_for_negative_advantages
 
     def verl_terms(x):  # seq-mean-token-sum over one-token "sequences" = every term on its own
         flat = lambda t: t.reshape(-1, 1)  # noqa: E731
-        loss, *_ = compute_policy_loss(flat(behaviour), flat(x), flat(adv), torch.ones_like(flat(x)),
-                                       cliprange=low, cliprange_low=low, cliprange_high=high,
-                                       clip_ratio_c=cap, loss_agg_mode="seq-mean-token-sum")  # fmt: skip
+        config = OmegaConf.create({"clip_ratio": low, "clip_ratio_low": low, "clip_ratio_high": high,
+                                   "clip_ratio_c": cap, "global_batch_info": {}})  # fmt: skip
+        loss, _ = compute_policy_loss_vanilla(flat(behaviour), flat(x), flat(adv), torch.ones_like(flat(x)),
+                                              loss_agg_mode="seq-mean-token-sum", config=config)  # fmt: skip
         return loss * x.numel()  # back from the mean; its gradient is per token
 
     squall_values, squall_grad = per_token(
