@@ -147,14 +147,14 @@ def publish_groups(r, keys: Keys, model, groups: int) -> set[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("groups", "steps", "version"),
+    ("groups", "steps", "version", "last_step_version"),
     [
-        (5, 3, 1),  # 2 + 2, then the last group alone: a smaller step, published though 3 % 4 != 0
-        (4, 2, 1),  # 2 + 2, nothing left: the unpublished steps get a version of their own
+        (5, 3, 1, 1),  # 2 + 2, then the last group alone: a smaller step, published though 3 % 4 != 0
+        (4, 2, 1, 0),  # 2 + 2, nothing left: the unpublished steps get a version of their own after
     ],
 )
 def test_the_trainer_trains_what_it_holds_when_the_data_ends(
-    tmp_path, r, redis_url, run_name, groups, steps, version
+    tmp_path, r, redis_url, run_name, groups, steps, version, last_step_version
 ):
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM
@@ -186,6 +186,7 @@ def test_the_trainer_trains_what_it_holds_when_the_data_ends(
     assert rc == 0, proc.stderr.read().decode()[-3000:]
     log = trained_log(run_dir)
     assert [line["step"] for line in log] == list(range(1, steps + 1))
+    assert log[-1]["version"] == last_step_version  # the version the last step's own commit made
     assert {k for line in log for k in line["keys"]} == trainable  # every key trained, once
     assert answer.trainer_version == version and answer.trainer_step == steps
     (newest,) = r.xrevrange(keys.weights, count=1)

@@ -186,7 +186,8 @@ class Trainer:
         self.books.collect(self._decide, now=math.inf)  # nothing more can join an open group
         while self.books.ready:
             take = min(len(self.books.ready), self.cfg.groups_per_step)
-            self._step(self.books.take_ready(take), last=take == len(self.books.ready))
+            last = take == len(self.books.ready)  # before take_ready shortens the list
+            self._step(self.books.take_ready(take), last=last)
         self._flush()
         newest = self.r.xrevrange(self.keys.weights, count=1)
         published_step = (
