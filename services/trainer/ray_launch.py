@@ -62,6 +62,11 @@ def check_address(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
 
 def connect(address: str | None, workers: int) -> None:
     """Join the cluster at `address`, or start one on this machine with a CPU per worker."""
+    import os
+
+    # squall does not opt its users into Ray's usage reporting (it phones home from the head
+    # node it starts); RAY_USAGE_STATS_ENABLED=1 in the environment opts in.
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
 
     if ray.is_initialized():
@@ -73,8 +78,6 @@ def connect(address: str | None, workers: int) -> None:
         except (ConnectionError, RuntimeError) as exc:
             raise RayLaunchError(f"Ray could not join the cluster at {address!r}: {exc}") from None
         return
-    import os
-
     # Each worker reserves one CPU: a machine with fewer cores still runs them (time-shared).
     ray.init(num_cpus=max(workers, os.cpu_count() or 1), include_dashboard=False, log_to_driver=True)
 
