@@ -3,6 +3,7 @@
 
     .venv/bin/python benchmarks/inference.py                 # the tiny model, CPU
     .venv/bin/python benchmarks/inference.py --model DIR --tokens 128
+    .venv/bin/python benchmarks/inference.py --engine   # + the engine alone, without HTTP
     python benchmarks/inference.py --device cuda --shape qwen2-0.5b --concurrency 1,8,32,128
 
 Every request samples exactly `--tokens` tokens (`ignore_eos`; `min_new_tokens` for
@@ -111,6 +112,44 @@ async def bench_server(
     return produced / wall, produced / cpu, sum(latencies) / len(latencies), p50, p99
 
 
+async def bench_engine(
+    model_dir: str, device: str, tokens: int, concurrency: int, requests_per_worker: int
+) -> tuple[float, float, float]:
+    """(tokens per wall second, tokens per CPU second of this process, mean batch) of the torch
+    engine itself, in this process, with the server's prompt and sampling settings but no HTTP:
+    what the server could reach if its HTTP layer cost nothing."""
+    from squall.inference.engine import SamplingParams
+    from squall.inference.torch_engine import TorchEngine
+    from squall.shared.config import load_config
+
+    section = {"device": device, "max_batch": concurrency, "follow_weights": False}
+    engine = TorchEngine(model_dir, load_config(env={}, overrides={"inference": section}).inference)
+    await engine.start()
+    try:
+        text = engine.tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=False)
+        prompt_ids = engine.tokenizer.encode(text, add_special_tokens=False)
+        params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+
+        async def request() -> int:
+            return sum([len(d.token_ids) async for d in engine.generate(prompt_ids, params, stream=False)])
+
+        async def worker() -> int:
+            return sum([await request() for _ in range(requests_per_worker)])
+
+        await request()  # warm-up, as bench_server's
+        before = engine.stats()
+        wall, cpu = time.perf_counter(), time.process_time()
+        produced = sum(await asyncio.gather(*(worker() for _ in range(concurrency))))
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        after = engine.stats()
+    finally:
+        await engine.stop()
+    batch = (after["sampled_tokens"] - before["sampled_tokens"]) / max(
+        1, after["forward_passes"] - before["forward_passes"]
+    )
+    return produced / wall, produced / cpu, batch
+
+
 def start_server(model_dir: str, port: int, device: str, max_batch: int) -> subprocess.Popen:
     env = {
         **os.environ, "SQUALL_INFERENCE__TORCH_THREADS": "1", "SQUALL_INFERENCE__MAX_BATCH": str(max_batch),
@@ -152,6 +191,10 @@ def main() -> int:
     parser.add_argument("--device", default="cpu", help="cpu | cuda (bf16 there, on both sides)")
     parser.add_argument("--concurrency", default="1,8,32", help="comma-separated concurrency levels, 1 first")
     parser.add_argument("--shape", help="instead of --model: a random model of this shape (e.g. qwen2-0.5b)")
+    parser.add_argument(
+        "--engine", action="store_true",
+        help="also run the torch engine in this process without HTTP (its tok/s, tok/cpu-s, mean batch)",
+    )  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(1)
     levels = [int(v) for v in args.concurrency.split(",")]
@@ -171,19 +214,29 @@ def main() -> int:
         try:
             generate = Generate(model_dir, args.device)
             url = f"http://127.0.0.1:{port}"
-            rows = []
+            rows, engine_rows = [], []
             for concurrency in levels:
                 # Server and generate alternate, `rounds` times each, and medians are compared,
                 # so load from other processes on the machine hits both alike.
                 per_worker = max(2, args.requests // (concurrency * args.rounds))
                 if concurrency == 1:
                     per_worker = max(4, args.requests // (4 * args.rounds))
-                server_runs, generate_runs = [], []
+                server_runs, generate_runs, engine_runs = [], [], []
                 for _ in range(args.rounds):
                     server_runs.append(
                         asyncio.run(bench_server(url, server.pid, args.tokens, concurrency, per_worker))
                     )
                     generate_runs.append(generate.run(args.tokens, concurrency, 2 if concurrency > 1 else 4))
+                    if args.engine:
+                        engine_runs.append(
+                            asyncio.run(
+                                bench_engine(model_dir, args.device, args.tokens, concurrency, per_worker)
+                            )
+                        )
+                if args.engine:
+                    engine_rows.append(
+                        (concurrency, *(statistics.median(r[i] for r in engine_runs) for i in range(3)))
+                    )
                 rows.append(
                     (
                         concurrency,
@@ -231,6 +284,12 @@ def main() -> int:
             f"{gen_cpu:.0f}",
         )
         print(" | ".join(str(v).rjust(len(h)) for v, h in zip(values, header, strict=True)))
+    if engine_rows:
+        print("\nthe torch engine in the benchmark process, no HTTP (same prompt, clients back to back):")
+        print("concurrency | engine tok/s | engine tok/cpu-s | mean batch | server/engine tok/cpu-s")
+        for (concurrency, tps, cpu_tps, batch), row in zip(engine_rows, rows, strict=True):
+            values = (concurrency, f"{tps:.0f}", f"{cpu_tps:.0f}", f"{batch:.1f}", f"{row[2] / cpu_tps:.2f}")
+            print(" | ".join(str(v).rjust(w) for v, w in zip(values, (11, 12, 16, 10, 23), strict=True)))
     _, tps1, cpu1, *_, gen1, gen_cpu1 = rows[0]
     print(f"\nserver overhead at concurrency 1, wall time: {(gen1 / tps1 - 1) * 100:+.1f}% (target <= 10%)")
     print(f"server overhead at concurrency 1, CPU time:  {(gen_cpu1 / cpu1 - 1) * 100:+.1f}%")
