@@ -263,9 +263,10 @@ class TrainerSection(Section):
     lora_target_modules: list[str] = Field(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], min_length=1
     )
-    """Linear layers given adapters, by the last part of their module name (Qwen/Llama names:
-    the attention and MLP projections). A name the model lacks stops the trainer, listing the
-    linear layers it has."""
+    """Linear layers given adapters, by the trailing parts of their module name, as peft
+    matches them (`q_proj`: every layer's; `layers.0.self_attn.q_proj`: one). The default is
+    the attention and MLP projections of Qwen/Llama models. A name that matches no linear layer
+    stops the trainer, listing the linear layers the model has."""
     consumer: str = Field("trainer", min_length=1)
     """Stable consumer name on `trajectories`: a restart re-reads its own unacked entries."""
     metrics_host: str = "127.0.0.1"

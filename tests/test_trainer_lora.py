@@ -165,8 +165,16 @@ def test_unknown_target_module_is_refused_naming_the_field_and_the_layers(tmp_pa
     assert "down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj" in text, text
     with pytest.raises(ConfigError, match=r"'embed_tokens' \(a Embedding\) is no linear layer"):
         make_backend("torch", lora_config(tmp_path, lora_target_modules=["embed_tokens"]))
-    with pytest.raises(ConfigError, match="'lm_head' shares its weight with the input embeddings"):
+    with pytest.raises(ConfigError, match="'lm_head' is 'lm_head', which shares its weight with the input"):
         make_backend("torch", lora_config(tmp_path, lora_target_modules=["q_proj", "lm_head"]))
+    # peft's rule: a target may be a layer's trailing name parts, e.g. one layer's projection.
+    one_layer = make_backend(
+        "torch", lora_config(tmp_path, lora_target_modules=["layers.0.self_attn.q_proj"])
+    )
+    adapted = {n for n, p in one_layer.model.named_parameters() if p.requires_grad}
+    assert adapted and all(".layers.0.self_attn.q_proj.lora_" in n for n in adapted), sorted(adapted)
+    with pytest.raises(ConfigError, match=r"'layers.9.self_attn.q_proj' is no linear layer"):
+        make_backend("torch", lora_config(tmp_path, lora_target_modules=["layers.9.self_attn.q_proj"]))
     with pytest.raises(ConfigError, match="trainer.lora_rank = 4 needs trainer.backend = 'torch'"):
         lora_config(tmp_path, backend="verl")
 

@@ -28,26 +28,35 @@ def linear_layer_names(model: torch.nn.Module) -> list[str]:
     )
 
 
+def matches(module_name: str, target: str) -> bool:
+    """peft's rule for a target_modules entry: the module's whole name, or its last parts."""
+    return module_name == target or module_name.endswith("." + target)
+
+
 def check_targets(model: torch.nn.Module, targets: list[str]) -> None:
-    """ConfigError naming the config field when a target is no linear layer of `model`."""
-    linear = linear_layer_names(model)
-    kinds = {name.rsplit(".", 1)[-1]: type(m).__name__ for name, m in model.named_modules() if name}
-    unknown = [t for t in targets if t not in linear]
+    """ConfigError naming the config field when a target matches no linear layer of `model`
+    (by peft's rule: a layer's name or its trailing parts, e.g. `q_proj`, `self_attn.q_proj`)."""
+    modules = [(name, m) for name, m in model.named_modules() if name]
+    unknown = [
+        t for t in targets if not any(matches(n, t) and isinstance(m, torch.nn.Linear) for n, m in modules)
+    ]
     if unknown:
+        kinds = {t: type(m).__name__ for t in unknown for n, m in modules if matches(n, t)}
         said = ", ".join(f"{t!r} (a {kinds[t]})" if t in kinds else repr(t) for t in unknown)
         raise ConfigError(
             f"{TARGETS_FIELD}: {said} is no linear layer of this model; its linear layers are "
-            f"{', '.join(linear)}: set {TARGETS_FIELD} to some of these"
+            f"{', '.join(linear_layer_names(model))}: set {TARGETS_FIELD} to some of these"
         )
     tied = getattr(model.config, "tie_word_embeddings", False)
     output = model.get_output_embeddings()
     if tied and output is not None:
-        head = next((n.rsplit(".", 1)[-1] for n, m in model.named_modules() if m is output), None)
-        if head in targets:
+        head = next((n for n, m in modules if m is output), "")
+        clash = [t for t in targets if matches(head, t)]
+        if clash:
             raise ConfigError(
-                f"{TARGETS_FIELD}: {head!r} shares its weight with the input embeddings "
-                "(tie_word_embeddings), so its adapter cannot be merged into the served model; "
-                f"leave {head!r} out"
+                f"{TARGETS_FIELD}: {clash[0]!r} is {head!r}, which shares its weight with the input "
+                "embeddings (tie_word_embeddings), so its adapter cannot be merged into the served "
+                f"model; leave {clash[0]!r} out"
             )
 
 
