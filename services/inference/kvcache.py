@@ -54,10 +54,13 @@ class RoomyLayer(DynamicLayer):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        if self.keys.numel() == 0:  # nothing cached yet
-            self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]
+        if self.keys is None or self.keys.numel() == 0:
+            # Nothing cached yet: transformers' own first update (its lazy initialisation differs
+            # between versions) gives the prompt's (B, H, T, D) keys and values, copied into room.
+            keys, values = super().update(key_states, value_states, *args, **kwargs)
+            self.keys, self._key_room = _append(keys[:, :, :0], keys, None)
+            self.values, self._value_room = _append(values[:, :, :0], values, None)
+            return self.keys, self.values
         self.keys, self._key_room = _append(self.keys, key_states, self._key_room)
         self.values, self._value_room = _append(self.values, value_states, self._value_room)
         return self.keys, self.values
