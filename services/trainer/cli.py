@@ -194,7 +194,18 @@ def run_rank(args: argparse.Namespace) -> int:
     from .main import run
 
     try:
-        return run(config)
+        code = run(config)
     except RedisUnavailable as exc:  # the message names the URL and what to do
         print(f"squall trainer: {exc}", file=sys.stderr)
-        return EXIT_REDIS_UNAVAILABLE
+        code = EXIT_REDIS_UNAVAILABLE
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # A torchrun rank whose work is durable and whose group is left skips interpreter
+        # finalization: gloo's C++ threads can still hold tensors there, and freeing them
+        # while Python tears down aborts the process (pytorch/pytorch#179291).
+        import logging
+
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

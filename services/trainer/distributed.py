@@ -126,11 +126,23 @@ def control_group(timeout_s: float) -> Any:
     return _CONTROL["group"]
 
 
+LEAVE_BARRIER_S = 10.0  # how long a rank waits for the others to arrive before tearing down
+
+
 def shutdown() -> None:
-    """Leave the process group (no-op when there is none)."""
+    """Leave the process group (no-op when there is none). The ranks first meet at a barrier
+    (bounded: a dead rank costs LEAVE_BARRIER_S), so none tears its connections down while
+    another still has the last command in flight; a teardown racing a peer's last message
+    was seen to abort rank 0 once in CI."""
+    group = _CONTROL.pop("group", None)
     _CONTROL.clear()
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        dist.monitored_barrier(group=group, timeout=timedelta(seconds=LEAVE_BARRIER_S))
+    except RuntimeError:
+        pass  # a rank is gone already: leave anyway
+    dist.destroy_process_group()
 
 
 # --- FSDP2 ---------------------------------------------------------------------
