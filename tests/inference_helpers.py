@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
 
 from squall.inference.node import InferenceNode
@@ -252,3 +253,12 @@ def check_completions_contract(client: Any, model: Any, tokenizer: Any, same_tex
     assert c.finish_reason == "stop" and c.text == choice.text[: choice.text.index(stop)]
     assert token_ids[: len(c.model_extra["token_ids"])] == c.model_extra["token_ids"]
     assert stop in tokenizer.decode(c.model_extra["token_ids"], skip_special_tokens=False)
+
+
+def weight_errors(node: NodeThread) -> dict[str, float]:
+    """Weight versions the node refused so far, by reason (its /metrics counter)."""
+    out = {}
+    for line in httpx.get(f"{node.url}/metrics").text.splitlines():
+        if line.startswith("squall_inference_weight_errors_total{"):
+            out[line.split('reason="')[1].split('"')[0]] = float(line.split()[-1])
+    return out

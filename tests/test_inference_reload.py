@@ -10,7 +10,7 @@ import httpx
 import pytest
 import redis
 import torch
-from inference_helpers import NodeThread, perturbed_versions, recompute_logprobs
+from inference_helpers import NodeThread, perturbed_versions, recompute_logprobs, weight_errors
 from waiting import wait_for
 
 from squall.inference.tiny import build_tiny_model
@@ -64,14 +64,6 @@ def running_sequences(node) -> float:
         if line.startswith("squall_inference_running_sequences "):
             return float(line.split()[-1])
     return 0.0
-
-
-def weight_errors(node) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(f"{node.url}/metrics").text.splitlines():
-        if line.startswith("squall_inference_weight_errors_total{"):
-            out[line.split('reason="')[1].split('"')[0]] = float(line.split()[-1])
-    return out
 
 
 def test_reload_mid_traffic_never_mixes_versions(tiny_dir, models, r, redis_url, run_name, tmp_path):

@@ -28,6 +28,7 @@ from inference_helpers import (  # noqa: E402
     perturbed_versions,
     recompute_logprobs,
     response_text,
+    weight_errors,
 )
 from transformers import AutoTokenizer  # noqa: E402
 from waiting import wait_for  # noqa: E402
@@ -91,14 +92,6 @@ def same_text(text, expected, finish_reason):
     if finish_reason == "length":
         return text.rstrip("\ufffd") == expected.rstrip("\ufffd")
     return text == expected
-
-
-def weight_errors(node) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(f"{node.url}/metrics").text.splitlines():
-        if line.startswith("squall_inference_weight_errors_total{"):
-            out[line.split('reason="')[1].split('"')[0]] = float(line.split()[-1])
-    return out
 
 
 def test_chat_returns_token_ids_logprobs_version_and_node(node, models, tokenizer):

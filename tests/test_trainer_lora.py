@@ -14,11 +14,10 @@ import copy
 import json
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 from distributed_helpers import run_world
-from inference_helpers import NodeThread
+from inference_helpers import NodeThread, weight_errors
 from test_trainer_step import sampled_trajectory
 from transformers import AutoModelForCausalLM
 from waiting import wait_for
@@ -228,20 +227,15 @@ def test_node_applies_a_published_adapter_and_rejects_a_tampered_one(tmp_path, r
             run=run_name, version=2, step=2, location=str(folder), checksum=checksum, format=FORMAT_LORA
         )
         bus.publish(r, keys.weights, v2)
-        wait_for(lambda: checksum_errors(node) >= 1, 60, what="node rejects the tampered adapter")
+        wait_for(
+            lambda: weight_errors(node).get("checksum", 0) >= 1, 60, what="node rejects the tampered adapter"
+        )
         assert node.node.engine.weight_version == 1  # still serving the good one
         publisher.publish(3, 3, backend.weights())  # the same tensors again, intact
         wait_for(lambda: r.hget(keys.versions, "inference:n1") == b"3", 60, what="node applies adapter v3")
         assert node.node.engine.weight_version == 3
     finally:
         node.stop()
-
-
-def checksum_errors(node) -> float:
-    for line in httpx.get(f"{node.url}/metrics").text.splitlines():
-        if line.startswith('squall_inference_weight_errors_total{reason="checksum"}'):
-            return float(line.split()[-1])
-    return 0.0
 
 
 def lora_step_on_rank(model_path: str, run_dir: str, samples: list) -> dict:

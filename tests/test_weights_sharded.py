@@ -11,7 +11,7 @@ import shutil
 import httpx
 import pytest
 import torch
-from inference_helpers import NodeThread, load_model, perturbed_versions, recompute_logprobs
+from inference_helpers import NodeThread, load_model, perturbed_versions, recompute_logprobs, weight_errors
 from waiting import wait_for
 
 from squall.inference.tiny import build_tiny_model
@@ -184,11 +184,3 @@ def health(node) -> dict:
 def ask_version(node) -> int:
     reply = node.client().chat.completions.create(model="policy", messages=MESSAGES, max_tokens=2)
     return reply.model_extra["weight_version"]
-
-
-def weight_errors(node) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(f"{node.url}/metrics").text.splitlines():
-        if line.startswith("squall_inference_weight_errors_total{"):
-            out[line.split('reason="')[1].split('"')[0]] = float(line.split()[-1])
-    return out
