@@ -11,6 +11,7 @@ RunNotFound naming the run, each Redis looked in and the runs it holds, and what
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import redis
@@ -114,9 +115,18 @@ def _not_found(run: str, looked: list[str], url_given: bool) -> str:
     return f"run {run!r} not found: no key {PREFIX}:{run}:* in\n{where}\n{hint}"
 
 
-def find_run_for(args: object, config: RunConfig) -> Found:
-    """`find_run` for a command's parsed options (--run, --config, --redis-url) and config."""
-    return find_run(config.run.name, config.run.redis_url, url_origin(args, config.run.model_fields_set))
+def find_run_for(args: object, config: RunConfig, command: str) -> redis.Redis | None:
+    """The client of the run's Redis, for `squall <command>` and its parsed options (--run,
+    --config, --redis-url); where it was found, if not where pointed, is said on stderr. None
+    when there is no such run, with the RunNotFound message printed (the command exits 2)."""
+    try:
+        found = find_run(config.run.name, config.run.redis_url, url_origin(args, config.run.model_fields_set))
+    except RunNotFound as exc:
+        print(f"squall {command}: {exc}", file=sys.stderr)
+        return None
+    if found.note:
+        print(f"squall {command}: {found.note}", file=sys.stderr)
+    return found.client
 
 
 def url_origin(args: object, fields_set: set[str]) -> str:

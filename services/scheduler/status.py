@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 from typing import Any
 
 from squall.shared.cliargs import add_common_arguments
@@ -134,17 +133,12 @@ def _groups_word(status: dict[str, Any]) -> str:
 
 def main(args: argparse.Namespace) -> int:
     from squall.shared.cliargs import config_from_args
-    from squall.shared.errors import RunNotFound
     from squall.shared.runlookup import find_run_for
 
     config = config_from_args(args)
-    try:
-        found = find_run_for(args, config)
-    except RunNotFound as exc:
-        print(f"squall status: {exc}", file=sys.stderr)
+    client = find_run_for(args, config, "status")
+    if client is None:
         return 2
-    if found.note:
-        print(f"squall status: {found.note}", file=sys.stderr)
-    status = collect(found.client, config.run.name, args.rewards)
+    status = collect(client, config.run.name, args.rewards)
     print(json.dumps(status, indent=2) if args.json else render(status))
     return 0 if status["ledger"]["balanced"] else 1

@@ -23,7 +23,7 @@ def main(args: argparse.Namespace) -> int:
 
     from squall.shared import schemas
     from squall.shared.cliargs import config_from_args
-    from squall.shared.errors import RunNotFound, SchemaError
+    from squall.shared.errors import SchemaError
     from squall.shared.keys import Keys
     from squall.shared.runlookup import find_run_for
 
@@ -34,14 +34,9 @@ def main(args: argparse.Namespace) -> int:
     if not stream.startswith("squall:"):
         print(f"unknown stream {args.stream!r}: known are {', '.join(names)}", file=sys.stderr)
         return 2
-    try:
-        found = find_run_for(args, config)
-    except RunNotFound as exc:
-        print(f"squall peek: {exc}", file=sys.stderr)
+    r = find_run_for(args, config, "peek")
+    if r is None:
         return 2
-    if found.note:
-        print(f"squall peek: {found.note}", file=sys.stderr)
-    r = found.client
     if args.oldest:
         entries = r.xrange(stream, count=args.n)
     else:
