@@ -192,28 +192,29 @@ def build_tiny_model(
 
     Deterministic for a given (corpus, sizes, seed): same files, same weights.
     """
+    tokenizer = build_tokenizer(default_corpus(seed) if corpus is None else corpus, vocab_size)
+    sizes = dict(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=hidden_size * 4,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_heads,
+    )  # fmt: skip
+    return _write_qwen2(out_dir, tokenizer, sizes, max_position_embeddings, seed)
+
+
+def _write_qwen2(
+    out_dir: str | Path, tokenizer: Any, sizes: dict[str, int], max_positions: int, seed: int
+) -> Path:
+    """A Qwen2 of `sizes`, randomly initialised from `seed`, saved with `tokenizer` (whose
+    end-of-turn and padding tokens it uses) as a transformers folder."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(default_corpus(seed) if corpus is None else corpus, vocab_size)
-    eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
-    pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
+    eos_id, pad_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN), tokenizer.convert_tokens_to_ids(PAD_TOKEN)
     config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=hidden_size * 4,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,
-        use_sliding_window=False,
-    )
+        **sizes, max_position_embeddings=max_positions, tie_word_embeddings=True,
+        bos_token_id=None, eos_token_id=eos_id, pad_token_id=pad_id, use_sliding_window=False,
+    )  # fmt: skip
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config).to(torch.float32)
     model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None)
@@ -235,22 +236,8 @@ def build_shaped_model(
     """A randomly initialised Qwen2 of a real architecture's shape (`MODEL_SHAPES`), with the
     tiny tokenizer: the same compute and memory per token as the real model, for benchmarks
     only (it samples noise; ids past the tokenizer's vocabulary decode to nothing)."""
-    import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
-
     if shape not in MODEL_SHAPES:
         raise ValueError(f"unknown model shape {shape!r}: known are {', '.join(sorted(MODEL_SHAPES))}")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(default_corpus(seed))
-    eos_id, pad_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN), tokenizer.convert_tokens_to_ids(PAD_TOKEN)
-    config = Qwen2Config(
-        **MODEL_SHAPES[shape], max_position_embeddings=max_position_embeddings, tie_word_embeddings=True,
-        bos_token_id=None, eos_token_id=eos_id, pad_token_id=pad_id, use_sliding_window=False,
-    )  # fmt: skip
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(torch.float32)
-    model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    return _write_qwen2(
+        out_dir, build_tokenizer(default_corpus(seed)), MODEL_SHAPES[shape], max_position_embeddings, seed
+    )
