@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -26,7 +25,8 @@ from pathlib import Path
 import numpy as np
 import redis
 import torch
-from train_step import SHAPES, build_model, make_samples, sync
+from train_step import SHAPES, backend, build_model, time_steps
+from trainer import raw_write_s
 
 from squall.inference.reload import WeightFollower
 from squall.inference.torch_engine import TorchEngine
@@ -35,56 +35,6 @@ from squall.shared.keys import Keys
 from squall.shared.schemas import WeightVersion
 from squall.trainer.publish import Publisher
 from squall.trainer.torch_backend import TorchBackend
-
-
-def backend(model_dir: Path, device: str, lora_rank: int, run_dir: str) -> TorchBackend:
-    config = load_config(env={}, overrides={
-        "run": {"name": "lorabench", "dir": run_dir}, "model": {"path": str(model_dir)},
-        "trainer": {"device": device, "lora_rank": lora_rank, "max_tokens_per_microbatch": 8192,
-                    "max_seq_len": 1 << 20},
-    })  # fmt: skip
-    return TorchBackend(config)
-
-
-def step_row(model: TorchBackend, seq_len: int, tokens: int, repeats: int, baseline: int) -> dict:
-    """Median step time; peak memory above `baseline` (what was allocated before the backend:
-    the inference engine's model)."""
-    samples = make_samples(model.vocab_size, seq_len, max(1, tokens // seq_len))
-    if model.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    model.train_step(samples)  # warm-up
-    times = []
-    for _ in range(repeats):
-        sync(model.device)
-        start = time.perf_counter()
-        model.train_step(samples)
-        sync(model.device)
-        times.append(time.perf_counter() - start)
-    step_s = statistics.median(times)
-    trained = sum(p.numel() for p in model.model.parameters() if p.requires_grad)
-    peak = (
-        (torch.cuda.max_memory_allocated() - baseline) / 2**30
-        if model.device.type == "cuda"
-        else float("nan")
-    )
-    return {"step_s": round(step_s, 4), "tokens_per_s": round(len(samples) * seq_len / step_s),
-            "trained_params": trained, "peak_gib": round(peak, 2)}  # fmt: skip
-
-
-def raw_write_s(folder: Path, nbytes: int) -> float:
-    """Write + fsync `nbytes` as one file: the disk's sequential bandwidth, measured beside."""
-    chunk = np.random.default_rng(0).integers(0, 256, 64 << 20, dtype=np.uint8).tobytes()
-    path = folder / "raw.bin"
-    start = time.perf_counter()
-    with open(path, "wb") as handle:
-        left = nbytes
-        while left > 0:
-            left -= handle.write(chunk[: min(left, len(chunk))])
-        handle.flush()
-        os.fsync(handle.fileno())
-    seconds = time.perf_counter() - start
-    path.unlink()
-    return seconds
 
 
 def publish_and_apply(publisher: Publisher, engine: TorchEngine, version: int, state: dict) -> dict:
@@ -158,17 +108,13 @@ def main() -> int:
         for name, rank in (("full", 0), ("lora", args.rank)):
             engine = start_engine(model_dir, args.device)  # a fresh node per case: LoRA needs its base
             baseline = torch.cuda.memory_allocated() if args.device.startswith("cuda") else 0
-            model = backend(model_dir, args.device, rank, str(Path(tmp) / name))
+            model = backend(model_dir, args.device, 8192, lora_rank=rank, run_dir=str(Path(tmp) / name))
+            trained = sum(p.numel() for p in model.model.parameters() if p.requires_grad)
             if args.no_steps:  # publication only (a 0.5B step on a shared 2-core CPU takes minutes)
-                trained = sum(p.numel() for p in model.model.parameters() if p.requires_grad)
-                step = {
-                    "step_s": float("nan"),
-                    "tokens_per_s": 0,
-                    "trained_params": trained,
-                    "peak_gib": float("nan"),
-                }
+                step = {"step_s": float("nan"), "tokens_per_s": 0, "peak_gib": float("nan")}
             else:
-                step = step_row(model, args.seq, args.tokens_per_step, args.repeats, baseline)
+                step = time_steps(model, args.seq, args.tokens_per_step, args.repeats, baseline)
+            step["trained_params"] = trained
             # write() touches no Redis: the client is never connected.
             publisher = Publisher(redis.Redis(), Keys("lorabench"), Path(tmp) / name, keep_versions=2,
                                   adapter_config=model.adapter_config())  # fmt: skip

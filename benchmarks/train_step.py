@@ -48,10 +48,14 @@ def make_samples(vocab: int, length: int, count: int, seed: int = 0) -> list[Sam
     return out
 
 
-def backend(model_dir: Path, device: str, microbatch_tokens: int) -> TorchBackend:
+def backend(
+    model_dir: Path, device: str, microbatch_tokens: int, *, lora_rank: int = 0, run_dir: str | None = None
+) -> TorchBackend:
     config = load_config(env={}, overrides={
-        "run": {"name": "bench", "dir": tempfile.mkdtemp(prefix="squall-step-")}, "model": {"path": str(model_dir)},
-        "trainer": {"device": device, "max_tokens_per_microbatch": microbatch_tokens, "max_seq_len": 1 << 20},
+        "run": {"name": "bench", "dir": run_dir or tempfile.mkdtemp(prefix="squall-step-")},
+        "model": {"path": str(model_dir)},
+        "trainer": {"device": device, "max_tokens_per_microbatch": microbatch_tokens, "max_seq_len": 1 << 20,
+                    "lora_rank": lora_rank},
     })  # fmt: skip
     return TorchBackend(config)
 
@@ -61,7 +65,11 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def time_steps(model: TorchBackend, length: int, tokens_per_step: int, repeats: int) -> dict:
+def time_steps(
+    model: TorchBackend, length: int, tokens_per_step: int, repeats: int, baseline: int = 0
+) -> dict:
+    """Median step time after a warm-up; peak device memory above `baseline` bytes (what was
+    allocated before the backend, e.g. an inference engine's model)."""
     count = max(1, tokens_per_step // length)
     samples = make_samples(model.vocab_size, length, count)
     if model.device.type == "cuda":
@@ -75,7 +83,11 @@ def time_steps(model: TorchBackend, length: int, tokens_per_step: int, repeats: 
         sync(model.device)
         times.append(time.perf_counter() - start)
     step_s = statistics.median(times)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if model.device.type == "cuda" else float("nan")
+    peak = (
+        (torch.cuda.max_memory_allocated() - baseline) / 2**30
+        if model.device.type == "cuda"
+        else float("nan")
+    )
     return {
         "seq_len": length, "sequences": count, "tokens": count * length, "step_s": round(step_s, 4),
         "tokens_per_s": round(count * length / step_s), "trained_tokens": int(metrics["tokens"]),
