@@ -17,7 +17,7 @@ import pytest
 import torch
 from distributed_helpers import assert_weights_close, run_world
 from test_trainer_e2e import publish_dataset, start_trainer, trained_log, write_config
-from test_trainer_step import config_for, make_tiny_model, sampled_trajectory
+from test_trainer_step import config_for, make_tiny_model, step_batch
 from waiting import wait_for
 
 from squall.shared import bus
@@ -28,25 +28,11 @@ from squall.trainer.backend import make_backend
 from squall.trainer.checkpoint import CheckpointStore, TrainerState, WorldSizeMismatch
 from squall.trainer.cli import rank_environment, rank_processes, torchrun_command
 from squall.trainer.distributed import WorldSizeError, check_devices
-from squall.trainer.sequences import trajectory_to_samples
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[1]
 MICROBATCH_TOKENS = 40  # the batch below splits into an odd number of micro-batches
 RTOL = 1e-5
-
-
-def step_batch(model_path):
-    """Samples of 3 groups (multi-turn, both signs of advantage) from the model's own sampling."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_path)
-    samples = []
-    for g in range(3):
-        for i in range(4):
-            t = sampled_trajectory(model, f"g{g}", i, float(i % 2), seed=10 * g + i, turns=1 + (i + g) % 2)
-            samples += trajectory_to_samples(t, advantage=1.0 if i % 2 else -1.0)
-    return samples
 
 
 def train_once(tmp_dir, model_path, samples, trainer):

@@ -18,7 +18,7 @@ import pytest
 import torch
 from distributed_helpers import run_world
 from inference_helpers import NodeThread, weight_errors
-from test_trainer_step import sampled_trajectory
+from test_trainer_step import sampled_trajectory, step_batch
 from transformers import AutoModelForCausalLM
 from waiting import wait_for
 
@@ -268,7 +268,7 @@ def test_two_ranks_make_the_single_process_lora_step(tmp_path):
 
 @pytest.mark.slow
 def test_two_ranks_lora_sharded_checkpoint_resumes_the_same_updates(tmp_path):
-    from test_trainer_distributed import step_batch, train_save_resume
+    from test_trainer_distributed import train_save_resume
     from test_trainer_step import make_tiny_model
 
     model_path = make_tiny_model(tmp_path / "model")

@@ -63,6 +63,19 @@ def sampled_trajectory(model, group, index, reward, *, seed, turns=1, version=0)
     )  # fmt: skip
 
 
+def step_batch(model_path):
+    """Samples of 3 groups (multi-turn, both signs of advantage) from the model's own sampling."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    samples = []
+    for g in range(3):
+        for i in range(4):
+            t = sampled_trajectory(model, f"g{g}", i, float(i % 2), seed=10 * g + i, turns=1 + (i + g) % 2)
+            samples += trajectory_to_samples(t, advantage=1.0 if i % 2 else -1.0)
+    return samples
+
+
 def config_for(tmp_path, model_path, **trainer):
     return load_config(
         overrides={

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from optional import need_verl
-from test_trainer_step import config_for, make_tiny_model, sampled_trajectory
+from test_trainer_step import config_for, make_tiny_model, sampled_trajectory, step_batch
 
 from squall.trainer.sequences import trajectory_to_samples
 from squall.trainer.verl_backend import to_verl_batch
@@ -209,19 +209,6 @@ def test_verl_step_matches_torch_far_from_ratio_one(tmp_path):
     assert abs(dual["grad_norm"] - want["grad_norm"]) > 0.2 * want["grad_norm"]  # ... other gradient
 
 
-def multi_group_batch(model_path):
-    """Samples of 3 groups (multi-turn, both signs of advantage) from the model's own sampling."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_path)
-    samples = []
-    for g in range(3):
-        for i in range(4):
-            t = sampled_trajectory(model, f"g{g}", i, float(i % 2), seed=10 * g + i, turns=1 + (i + g) % 2)
-            samples += trajectory_to_samples(t, advantage=1.0 if i % 2 else -1.0)
-    return samples
-
-
 def verl_train_once(tmp_dir, model_path, samples, trainer):
     """One verl step on a fresh backend (in a run_world rank): (metrics, full weights on rank 0)."""
     from squall.trainer.backend import make_backend
@@ -244,7 +231,7 @@ def test_verl_two_ranks_step_equals_one_process(tmp_path, trainer):
     from distributed_helpers import run_world
 
     model_path = make_tiny_model(tmp_path / "model")
-    samples = multi_group_batch(model_path)
+    samples = step_batch(model_path)
     trainer = {**trainer, "max_tokens_per_microbatch": 40}
     [(single_metrics, single_weights)] = run_world(
         verl_train_once, str(tmp_path / "single"), str(model_path), samples, trainer, world_size=1
