@@ -16,11 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 from distributed_helpers import assert_weights_close, run_world
-from test_trainer_e2e import publish_dataset, start_trainer, trained_log, write_config
+from test_trainer_e2e import prepared_run, start_trainer, trained_log
 from test_trainer_step import config_for, make_tiny_model, step_batch
-from waiting import wait_for
+from waiting import reap, wait_for
 
-from squall.shared import bus
 from squall.shared.keys import GROUP_TRAINER, Keys
 from squall.shared.ledger import Ledger
 from squall.shared.schemas import decode
@@ -161,13 +160,10 @@ def wait_for_ranks(proc: subprocess.Popen) -> dict[int, int]:
 @pytest.mark.redis
 @pytest.mark.slow
 def test_kill9_of_either_rank_then_resume_trains_every_key_once(tmp_path, r, redis_url, run_name):
-    from transformers import AutoModelForCausalLM
-
     model_path = make_tiny_model(tmp_path / "model")
-    keys = Keys(run_name)
-    bus.ensure_group(r, keys.trajectories, GROUP_TRAINER)
-    trainable, zero_var = publish_dataset(r, keys, AutoModelForCausalLM.from_pretrained(model_path))
-    config = write_config(tmp_path, redis_url, run_name, model_path, collective_timeout_s=30.0)
+    keys, trainable, zero_var, config = prepared_run(
+        tmp_path, r, redis_url, run_name, model_path, collective_timeout_s=30.0
+    )
     run_dir = tmp_path / "run"
 
     for kill_after, victim in ((2, 1), (5, 0)):  # a follower, then rank 0 (the bus owner)
@@ -182,16 +178,12 @@ def test_kill9_of_either_rank_then_resume_trains_every_key_once(tmp_path, r, red
             assert rc != 0
             assert not rank_processes(proc.pid)
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            reap(proc)
     proc = start_ranks(config, "--max-steps", "9")
     try:
         rc = proc.wait(300)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        reap(proc)
     assert rc == 0, proc.stderr.read().decode()[-3000:]
 
     log = trained_log(run_dir)
@@ -213,13 +205,10 @@ def test_kill9_of_either_rank_then_resume_trains_every_key_once(tmp_path, r, red
 @pytest.mark.redis
 @pytest.mark.slow
 def test_sigterm_stops_every_rank_after_the_step(tmp_path, r, redis_url, run_name):
-    from transformers import AutoModelForCausalLM
-
     model_path = make_tiny_model(tmp_path / "model")
-    keys = Keys(run_name)
-    bus.ensure_group(r, keys.trajectories, GROUP_TRAINER)
-    trainable, _ = publish_dataset(r, keys, AutoModelForCausalLM.from_pretrained(model_path))
-    config = write_config(tmp_path, redis_url, run_name, model_path, collective_timeout_s=30.0)
+    keys, trainable, _, config = prepared_run(
+        tmp_path, r, redis_url, run_name, model_path, collective_timeout_s=30.0
+    )
     proc = start_ranks(config)
     try:
         wait_for_ranks(proc)
@@ -227,9 +216,7 @@ def test_sigterm_stops_every_rank_after_the_step(tmp_path, r, redis_url, run_nam
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(90)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        reap(proc)
     assert rc == 0, proc.stderr.read().decode()[-3000:]
     done = {k for line in trained_log(tmp_path / "run") for k in line["keys"]}
     assert done and done <= trainable

@@ -15,7 +15,7 @@ import pytest
 import torch
 from optional import need_verl
 from test_trainer_step import VOCAB, make_tiny_model, sampled_trajectory
-from waiting import wait_for
+from waiting import reap, wait_for
 
 from squall.shared import bus
 from squall.shared.keys import GROUP_TRAINER, Keys
@@ -61,6 +61,19 @@ def trained_log(run_dir: Path) -> list[dict]:
     return out
 
 
+def prepared_run(
+    tmp_path, r, redis_url, run_name, model_path, **trainer
+) -> tuple[Keys, set[str], set[str], Path]:
+    """The e2e dataset published to the trainer's group and a run file for it:
+    (keys, trainable keys, zero-variance keys, config path)."""
+    from transformers import AutoModelForCausalLM
+
+    keys = Keys(run_name)
+    bus.ensure_group(r, keys.trajectories, GROUP_TRAINER)
+    trainable, zero_var = publish_dataset(r, keys, AutoModelForCausalLM.from_pretrained(model_path))
+    return keys, trainable, zero_var, write_config(tmp_path, redis_url, run_name, model_path, **trainer)
+
+
 def publish_dataset(r, keys: Keys, model) -> tuple[set[str], set[str]]:
     """9 trainable groups of 4 (multi-turn), 1 zero-variance group, a val attempt, a failed
     attempt, one out-of-vocab trajectory and one corrupt entry. Returns (trainable, zero-var) keys."""
@@ -95,14 +108,8 @@ def test_kill9_resume_trains_every_key_exactly_once(tmp_path, r, redis_url, run_
     if backend == "verl":
         need_verl()
     torch.set_num_threads(1)
-    from transformers import AutoModelForCausalLM
-
     model_path = make_tiny_model(tmp_path / "model")
-    model = AutoModelForCausalLM.from_pretrained(model_path)
-    keys = Keys(run_name)
-    bus.ensure_group(r, keys.trajectories, GROUP_TRAINER)
-    trainable, zero_var = publish_dataset(r, keys, model)
-    config = write_config(tmp_path, redis_url, run_name, model_path)
+    keys, trainable, zero_var, config = prepared_run(tmp_path, r, redis_url, run_name, model_path)
     run_dir = tmp_path / "run"
 
     kills = 0
@@ -119,16 +126,12 @@ def test_kill9_resume_trains_every_key_exactly_once(tmp_path, r, redis_url, run_
             proc.wait(10)
             kills += 1
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            reap(proc)
     proc = start_trainer(config, "--max-steps", "9", "--backend", backend)
     try:
         rc = proc.wait(180)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        reap(proc)
     assert rc == 0, proc.stderr.read().decode()[-3000:]
     assert kills == 2
 
@@ -163,14 +166,8 @@ def test_kill9_resume_trains_every_key_exactly_once(tmp_path, r, redis_url, run_
 
 def test_sigterm_finishes_step_and_exits_zero(tmp_path, r, redis_url, run_name):
     torch.set_num_threads(1)
-    from transformers import AutoModelForCausalLM
-
     model_path = make_tiny_model(tmp_path / "model")
-    model = AutoModelForCausalLM.from_pretrained(model_path)
-    keys = Keys(run_name)
-    bus.ensure_group(r, keys.trajectories, GROUP_TRAINER)
-    trainable, _ = publish_dataset(r, keys, model)
-    config = write_config(tmp_path, redis_url, run_name, model_path)
+    keys, trainable, _, config = prepared_run(tmp_path, r, redis_url, run_name, model_path)
     run_dir = tmp_path / "run"
     proc = start_trainer(config)
     try:
@@ -178,9 +175,7 @@ def test_sigterm_finishes_step_and_exits_zero(tmp_path, r, redis_url, run_name):
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        reap(proc)
     assert rc == 0, proc.stderr.read().decode()[-3000:]
     log = trained_log(run_dir)
     done = {k for line in log for k in line["keys"]}

@@ -13,11 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 from distributed_helpers import free_port
-from test_trainer_e2e import ROOT, publish_dataset, start_trainer, write_config
+from test_trainer_e2e import ROOT, prepared_run, start_trainer
 from test_trainer_step import make_tiny_model
+from waiting import reap
 
-from squall.shared import bus
-from squall.shared.keys import GROUP_TRAINER, Keys
 from squall.shared.weightfiles import version_dir
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
@@ -36,20 +35,13 @@ def published_weights(run_dir: Path, version: int) -> dict[str, torch.Tensor]:
 
 def one_step(tmp_path: Path, r, redis_url: str, run_name: str, model_path: Path, *launch: str) -> Path:
     """`squall trainer --max-steps 1` (plus `launch`) on a fresh copy of the e2e dataset; the run dir."""
-    from transformers import AutoModelForCausalLM
-
-    keys = Keys(run_name)
-    bus.ensure_group(r, keys.trajectories, GROUP_TRAINER)
-    publish_dataset(r, keys, AutoModelForCausalLM.from_pretrained(model_path))
     tmp_path.mkdir(parents=True, exist_ok=True)
-    config = write_config(tmp_path, redis_url, run_name, model_path)
+    *_, config = prepared_run(tmp_path, r, redis_url, run_name, model_path)
     proc = start_trainer(config, "--max-steps", "1", *launch)
     try:
         rc = proc.wait(420)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        reap(proc)
     assert rc == 0, proc.stderr.read().decode()[-4000:]
     return tmp_path / "run"
 

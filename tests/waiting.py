@@ -18,3 +18,10 @@ def wait_for(
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def reap(proc: Any) -> None:
+    """Kill a child process that is still running and wait for it: a test's `finally`."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
