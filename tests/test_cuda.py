@@ -91,18 +91,23 @@ def test_trainer_step_on_cuda_matches_cpu_within_bf16(tiny_dir, tmp_path):
     assert all(torch.isfinite(p).all() for p in gpu.model.parameters())
 
 
+def sample(node: NodeThread, tokens: int) -> tuple[list[int], list[int], np.ndarray]:
+    """(prompt ids, sampled ids, served logprobs) of one chat request for exactly `tokens` tokens."""
+    reply = node.client().chat.completions.create(
+        model="policy", messages=MESSAGES, max_tokens=tokens, logprobs=True,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )  # fmt: skip
+    choice = reply.choices[0]
+    served = np.array([entry.logprob for entry in choice.logprobs.content])
+    return choice.model_extra["prompt_token_ids"], choice.model_extra["token_ids"], served
+
+
 def test_inference_node_on_cuda_samples_with_bf16_logprobs(tiny_dir):
     node = NodeThread(tiny_dir, device="cuda").start()
     try:
         assert node.node.engine.device.type == "cuda" and node.node.engine.dtype == torch.bfloat16
-        reply = node.client().chat.completions.create(
-            model="policy", messages=MESSAGES, max_tokens=32, logprobs=True,
-            extra_body={"return_token_ids": True, "ignore_eos": True},
-        )  # fmt: skip
-        choice = reply.choices[0]
-        prompt_ids, token_ids = choice.model_extra["prompt_token_ids"], choice.model_extra["token_ids"]
+        prompt_ids, token_ids, served = sample(node, 32)
         assert len(token_ids) == 32
-        served = np.array([entry.logprob for entry in choice.logprobs.content])
         exact = np.array(recompute_logprobs(load_model(tiny_dir), prompt_ids, token_ids))
         print(f"served bf16 vs fp32 logprobs: mean |diff| {np.abs(served - exact).mean():.4f}")
         assert np.abs(served - exact).mean() < 0.05
@@ -124,13 +129,7 @@ def test_weight_reload_on_a_cuda_node(tiny_dir, r, redis_url, run_name, tmp_path
         wait_for(
             lambda: node.node.engine.weight_version == 1, timeout_s=60, what="the CUDA node serving version 1"
         )
-        reply = node.client().chat.completions.create(
-            model="policy", messages=MESSAGES, max_tokens=16, logprobs=True,
-            extra_body={"return_token_ids": True, "ignore_eos": True},
-        )  # fmt: skip
-        choice = reply.choices[0]
-        prompt_ids, token_ids = choice.model_extra["prompt_token_ids"], choice.model_extra["token_ids"]
-        served = np.array([entry.logprob for entry in choice.logprobs.content])
+        prompt_ids, token_ids, served = sample(node, 16)
         new = np.array(recompute_logprobs(models[1], prompt_ids, token_ids))
         old = np.array(recompute_logprobs(models[0], prompt_ids, token_ids))
         print(
