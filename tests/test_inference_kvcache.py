@@ -104,18 +104,23 @@ def _prefill(model, cache, prompt):
     return out.logits[:, -1], mask
 
 
+def _greedy_step(model, cache, logits, mask):
+    """One decode step of every row on its greedy token: (next logits, the grown mask)."""
+    mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+    out = model(
+        input_ids=logits.argmax(-1, keepdim=True), attention_mask=mask,
+        position_ids=mask.sum(-1, keepdim=True) - 1, past_key_values=cache, use_cache=True,
+    )  # fmt: skip
+    return out.logits[:, -1], mask
+
+
 def _merged_decode(model, make_cache, running, newcomer, steps):
     """Decode `running` a few steps, stack a prefilled `newcomer` below it (left-padded to one
     width, as the engine merges admissions), decode all rows on; logits of the last steps."""
     cache = make_cache(model.config)
     logits, mask = _prefill(model, cache, running)
     for _ in range(3):
-        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-        out = model(
-            input_ids=logits.argmax(-1, keepdim=True), attention_mask=mask,
-            position_ids=mask.sum(-1, keepdim=True) - 1, past_key_values=cache, use_cache=True,
-        )  # fmt: skip
-        logits = out.logits[:, -1]
+        logits, mask = _greedy_step(model, cache, logits, mask)
     other = make_cache(model.config)
     new_logits, new_mask = _prefill(model, other, newcomer)
     width = max(mask.shape[1], new_mask.shape[1])
@@ -124,12 +129,7 @@ def _merged_decode(model, make_cache, running, newcomer, steps):
     mask = torch.cat([pad(mask, (width - mask.shape[1], 0)), pad(new_mask, (width - new_mask.shape[1], 0))])
     logits, seen = torch.cat([logits, new_logits]), []
     for _ in range(steps):
-        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-        out = model(
-            input_ids=logits.argmax(-1, keepdim=True), attention_mask=mask,
-            position_ids=mask.sum(-1, keepdim=True) - 1, past_key_values=cache, use_cache=True,
-        )  # fmt: skip
-        logits = out.logits[:, -1]
+        logits, mask = _greedy_step(model, cache, logits, mask)
         seen.append(logits)
     return torch.stack(seen, 1)
 
