@@ -135,7 +135,6 @@ def shutdown() -> None:
     another still has the last command in flight; a teardown racing a peer's last message
     was seen to abort rank 0 once in CI."""
     group = _CONTROL.pop("group", None)
-    _CONTROL.clear()
     if not (dist.is_available() and dist.is_initialized()):
         return
     try:
