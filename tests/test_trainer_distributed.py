@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from distributed_helpers import assert_weights_close, run_world
-from test_trainer_e2e import prepared_run, start_trainer, trained_log
+from test_trainer_e2e import assert_trained_once, prepared_run, start_trainer, trained_log
 from test_trainer_step import config_for, make_tiny_model, step_batch
 from waiting import reap, wait_for
 
@@ -121,15 +121,20 @@ def test_launch_command_and_its_bad_input():
     check_devices("cpu", 64)  # CPU ranks are not limited by devices
 
 
+def launch_two_ranks(config: Path) -> subprocess.CompletedProcess:
+    """`squall trainer --config CONFIG --nproc-per-node 2`, to its end (these ones are refused)."""
+    return subprocess.run(
+        [sys.executable, "-m", "squall.cli", "trainer", "--config", str(config), "--nproc-per-node", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
 def test_cli_refuses_more_ranks_than_gpus(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA devices; the check is exercised by the unit test")
     config = tmp_path / "run.toml"
     config.write_text(f'[run]\nname = "toomany"\ndir = "{tmp_path / "run"}"\n[trainer]\ndevice = "cuda"\n')
-    proc = subprocess.run(
-        [sys.executable, "-m", "squall.cli", "trainer", "--config", str(config), "--nproc-per-node", "2"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    proc = launch_two_ranks(config)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "0 CUDA device(s): run it on a GPU machine, or set trainer.device = 'cpu'" in proc.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()  # refused before anything started
@@ -186,15 +191,7 @@ def test_kill9_of_either_rank_then_resume_trains_every_key_once(tmp_path, r, red
         reap(proc)
     assert rc == 0, proc.stderr.read().decode()[-3000:]
 
-    log = trained_log(run_dir)
-    assert [line["step"] for line in log] == list(range(1, 10))  # every step once
-    all_keys = [k for line in log for k in line["keys"]]
-    assert len(all_keys) == len(set(all_keys)), "a trajectory was trained twice"
-    assert set(all_keys) == trainable, "a trajectory was lost"
-    ledger = Ledger(r, keys)
-    assert {ledger.state_of(k) for k in trainable} == {"trained"}
-    assert {ledger.state_of(k) for k in zero_var} == {"filtered:zero_variance"}
-    assert ledger.balanced()
+    assert assert_trained_once(r, keys, run_dir, trainable, zero_var, steps=9).balanced()
     assert r.xpending(keys.trajectories, GROUP_TRAINER)["pending"] == 0
     assert int(r.hget(keys.versions, "trainer")) == 9
     newest = sorted((run_dir / "checkpoints").glob("ckpt-*"))[-1]
@@ -317,10 +314,7 @@ def test_launch_refuses_a_checkpoint_of_another_world_size(tmp_path):
     )
     config = tmp_path / "run.toml"
     config.write_text(f'[run]\nname = "resize"\ndir = "{run_dir}"\n[trainer]\ndevice = "cpu"\n')
-    proc = subprocess.run(
-        [sys.executable, "-m", "squall.cli", "trainer", "--config", str(config), "--nproc-per-node", "2"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    proc = launch_two_ranks(config)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "written by a trainer with 1 rank(s), this one has 2: resume it with 1 rank(s)" in proc.stderr
     assert "torch.distributed.run" not in proc.stderr and "rank_following" not in proc.stderr

@@ -61,6 +61,22 @@ def trained_log(run_dir: Path) -> list[dict]:
     return out
 
 
+def assert_trained_once(
+    r, keys: Keys, run_dir: Path, trainable: set[str], zero_var: set[str], steps: int
+) -> Ledger:
+    """Exactly once, after crashes and restarts: steps 1..`steps` each logged once, every
+    trainable key trained once and none lost, the zero-variance keys filtered. The ledger."""
+    log = trained_log(run_dir)
+    assert [line["step"] for line in log] == list(range(1, steps + 1))  # every step once
+    all_keys = [k for line in log for k in line["keys"]]
+    assert len(all_keys) == len(set(all_keys)), "a trajectory was trained twice"
+    assert set(all_keys) == trainable, "a trajectory was lost"
+    ledger = Ledger(r, keys)
+    assert {ledger.state_of(k) for k in trainable} == {"trained"}
+    assert {ledger.state_of(k) for k in zero_var} == {"filtered:zero_variance"}
+    return ledger
+
+
 def prepared_run(
     tmp_path, r, redis_url, run_name, model_path, **trainer
 ) -> tuple[Keys, set[str], set[str], Path]:
@@ -135,15 +151,7 @@ def test_kill9_resume_trains_every_key_exactly_once(tmp_path, r, redis_url, run_
     assert rc == 0, proc.stderr.read().decode()[-3000:]
     assert kills == 2
 
-    log = trained_log(run_dir)
-    steps = [line["step"] for line in log]
-    assert steps == list(range(1, 10))  # every step once
-    all_keys = [k for line in log for k in line["keys"]]
-    assert len(all_keys) == len(set(all_keys)), "a trajectory was trained twice"
-    assert set(all_keys) == trainable, "a trajectory was lost"
-    ledger = Ledger(r, keys)
-    assert {ledger.state_of(k) for k in trainable} == {"trained"}
-    assert {ledger.state_of(k) for k in zero_var} == {"filtered:zero_variance"}
+    ledger = assert_trained_once(r, keys, run_dir, trainable, zero_var, steps=9)
     assert ledger.state_of("oov:0#0") == "deadlettered" and ledger.balanced()
     reasons = [fields[b"reason"].decode() for _, fields in r.xrange(keys.deadletter)]
     assert (
