@@ -118,8 +118,8 @@ async def bench_engine(
     """(tokens per wall second, tokens per CPU second of this process, mean batch) of the torch
     engine itself, in this process, with the server's prompt and sampling settings but no HTTP:
     what the server could reach if its HTTP layer cost nothing."""
-    from squall.inference.engine import SamplingParams
-    from squall.inference.torch_engine import TorchEngine
+    from squall.inference.engines.engine import SamplingParams
+    from squall.inference.engines.torch_engine import TorchEngine
     from squall.shared.config import load_config
 
     section = {"device": device, "max_batch": concurrency, "follow_weights": False}

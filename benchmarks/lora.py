@@ -28,8 +28,8 @@ import torch
 from train_step import SHAPES, backend, build_model, time_steps
 from trainer import raw_write_s
 
-from squall.inference.reload import WeightFollower
-from squall.inference.torch_engine import TorchEngine
+from squall.inference.engines.torch_engine import TorchEngine
+from squall.inference.weights.reload import WeightFollower
 from squall.shared.config import load_config
 from squall.shared.keys import Keys
 from squall.shared.schemas import WeightVersion

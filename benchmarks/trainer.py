@@ -52,7 +52,7 @@ from squall.shared.schemas import (
 )
 from squall.trainer.backend import make_backend
 from squall.trainer.filters import decide_group
-from squall.trainer.groups import GroupAssembler
+from squall.trainer.group_assembly import GroupAssembler
 from squall.trainer.sequences import collate, pack_microbatches, token_weights, trajectory_to_samples
 
 

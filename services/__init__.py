@@ -27,7 +27,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "RunConfig": ("squall.shared.config", "RunConfig"),
     "load_config": ("squall.shared.config", "load_config"),
     "ConfigError": ("squall.shared.errors", "ConfigError"),
-    "demo_policy": ("squall.tools.init", "demo_policy"),
+    "demo_policy": ("squall.local.init", "demo_policy"),
 }
 
 __all__ = ["__version__", *_LAZY]

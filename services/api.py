@@ -3,9 +3,9 @@
 Parts:
 - `config(source, **sections)`: a RunConfig from a run file, a dict or another RunConfig, with
   whole sections or single fields replaced, validated (errors name the field);
-- `up(config, **options)`: a whole run on this machine (services/tools/up.py), the options being
+- `up(config, **options)`: a whole run on this machine (services/local/up.py), the options being
   `squall up`'s flags; returns an `UpResult` instead of exiting;
-- `init(folder)`: `squall init` (services/tools/init.py).
+- `init(folder)`: `squall init` (services/local/init.py).
 
 A config that is not a file is written to a private temporary YAML file for the run's
 services to read, exactly as they read a run file; SQUALL_<SECTION>__<FIELD> environment
@@ -103,7 +103,7 @@ class UpResult:
         start, end = self.summary.get("val_reward_start"), self.summary.get("val_reward_end")
         shown = "n/a" if start is None or end is None else f"{start:.3f} -> {end:.3f}"
         if end is not None:
-            from squall.tools.up import measured_word
+            from squall.local.up import measured_word
 
             shown += f" {measured_word(self.summary)}"
         return (
@@ -116,8 +116,8 @@ class UpResult:
 def up_arguments(**options: Any) -> argparse.Namespace:
     """`squall up`'s flags as a Namespace: the parser's defaults, then `options` (named as the
     flags are, with underscores: runners=4, inference_nodes=2, minutes=5, keep=True, label=...)."""
+    from squall.local import up as up_command
     from squall.shared.errors import ConfigError
-    from squall.tools import up as up_command
 
     parser = argparse.ArgumentParser(prog="squall up")
     up_command.add_arguments(parser)
@@ -139,9 +139,9 @@ def up(source: Any, /, **options: Any) -> UpResult:
     process: start Redis (when none answers), inference, trainer, scheduler and runners, print
     progress, stop them all in order, and return the result. Never calls sys.exit; Ctrl-C stops
     the run cleanly and the result says so (exit_code 130)."""
+    from squall.local.up import Up
     from squall.shared import redisconn
     from squall.shared.cliargs import config_from_args
-    from squall.tools.up import Up
 
     args = up_arguments(**options)
     private = None
@@ -174,6 +174,6 @@ def _write_config(cfg: RunConfig, path: Path) -> Path:
 
 def init(folder: str | os.PathLike[str], **options: Any) -> Path:
     """`squall init FOLDER`: write run.toml, agent.py and a tiny dataset; returns the run file."""
-    from squall.tools.init import scaffold
+    from squall.local.init import scaffold
 
     return scaffold(Path(folder), **options)

@@ -15,11 +15,11 @@ import sys
 # name -> (module, one-line help). Listed only when the module is installed.
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": (
-        "squall.tools.up",
+        "squall.local.up",
         "start a whole run on this machine (redis, inference, trainer, scheduler, runners)",
     ),
     "init": (
-        "squall.tools.init",
+        "squall.local.init",
         "write a run folder (run.toml with every field documented, agent.py, a tiny dataset)",
     ),
     "scheduler": (
@@ -29,17 +29,21 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "runner": ("squall.runner.cli", "run a runner: execute task attempts with your agent"),
     "trainer": ("squall.trainer.cli", "run the trainer: trajectories -> GRPO steps -> weights"),
     "inference": ("squall.inference.cli", "serve a model over an OpenAI-compatible API with hot reload"),
-    "status": ("squall.scheduler.status", "show streams, lag, ledger, runners, versions, rewards"),
+    "status": ("squall.monitor.status", "show streams, lag, ledger, runners, versions, rewards"),
     "dashboard": ("squall.monitor.cli", "serve the live web dashboard"),
     "acl": ("squall.monitor.acl", "write a Redis ACL file with one least-privilege user per service"),
-    "worker": ("squall.worker.cli", "run the tool pool: rq workers for code, retrieval, SQL and judge jobs"),
-    "redis": ("squall.tools.redis_cmd", "run a local Redis-compatible server"),
-    "peek": ("squall.tools.peek", "print stream entries decoded to JSON"),
+    "toolpool": (
+        "squall.toolpool.cli",
+        "run the tool pool: rq workers for code, retrieval, SQL and judge jobs",
+    ),
+    "worker": ("squall.toolpool.cli", "the same as `squall toolpool` (its older name, kept for scripts)"),
+    "redis": ("squall.local.redis_cmd", "run a local Redis-compatible server"),
+    "peek": ("squall.monitor.peek", "print stream entries decoded to JSON"),
     "track": (
         "squall.tracking.cli",
         "log a run's metrics, rewards, ledger and samples to W&B, TensorBoard, MLflow",
     ),
-    "export": ("squall.tools.export", "write a published weight version as a Hugging Face model folder"),
+    "export": ("squall.local.export", "write a published weight version as a Hugging Face model folder"),
 }
 
 

@@ -341,7 +341,7 @@ class InferenceSection(Section):
 
 
 class WorkerSection(Section):
-    """The tool pool (`squall worker`, services/worker): rq workers that run agents' tool calls
+    """The tool pool (`squall worker`, services/toolpool): rq workers that run agents' tool calls
     (model-written code, retrieval, SQL, judges) apart from the runners."""
 
     queues: list[Literal["code", "retrieval", "sql", "judge"]] = []

@@ -34,7 +34,7 @@ class AgentError(SquallError):
 
 
 class ToolError(SquallError):
-    """A tool call of the pool (services/worker) failed: bad arguments, an unknown tool, the
+    """A tool call of the pool (services/toolpool) failed: bad arguments, an unknown tool, the
     job failed, hit a limit or missed the caller's deadline. The message is what an agent
     shows its model, as it would any tool error."""
 

@@ -19,7 +19,7 @@ GROUP_RUNNERS = "runners"
 GROUP_TRAINER = "trainer"
 GROUP_SCHEDULER = "scheduler"
 
-# rq (the tool pool, services/worker) keeps its own keys under this prefix, outside any run.
+# rq (the tool pool, services/toolpool) keeps its own keys under this prefix, outside any run.
 RQ_PREFIX = "rq"
 
 # Streams capped with MAXLEN ~ because losing their oldest entries is harmless.

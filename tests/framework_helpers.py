@@ -6,7 +6,7 @@ made (request JSON, response as received, SSE included). `check_token_exact` the
 chat call against the Turn the gateway recorded for it:
 - the Turn's prompt ids are exactly the ids of the chat template rendered from the messages
   and tools the framework sent (with the server's documented normalisation and tool_choice
-  prefill, squall.inference.tools);
+  prefill, squall.inference.toolcalls);
 - its response ids decode to exactly what the framework received: the content and the tool
   calls (parsed from the sampled text as the server does), plus the end-of-turn token;
 - it is attributed to the agent whose URL the call went to (`.../agent/NAME/v1` or `main`).
@@ -31,7 +31,12 @@ from optional import need
 from runner_helpers import dispatch, trajectories
 from waiting import wait_for
 
-from squall.inference.tools import forced_prefix, normalize_messages, parse_tool_calls, resolve_tool_choice
+from squall.inference.toolcalls import (
+    forced_prefix,
+    normalize_messages,
+    parse_tool_calls,
+    resolve_tool_choice,
+)
 
 TESTS_DIR = Path(__file__).resolve().parent
 ROOT = TESTS_DIR.parent

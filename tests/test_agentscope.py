@@ -13,7 +13,7 @@ import pytest
 import torch
 from inference_helpers import NodeThread
 
-from squall.inference.render import ReasoningSplit, split_reasoning
+from squall.inference.http.render import ReasoningSplit, split_reasoning
 from squall.inference.tiny import build_tiny_model
 from squall.runner.agents import LLM
 from squall.runner.gateway import Gateway

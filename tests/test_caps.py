@@ -138,7 +138,7 @@ def test_a_group_built_to_exceed_each_cap(tmp_path):
 def test_the_trainer_drops_counts_and_ledgers_capped_turns(tmp_path, r, redis_url, run_name):
     from test_trainer_loop import retag
 
-    from squall.trainer.main import Trainer
+    from squall.trainer.trainer import Trainer
 
     model_path = make_tiny_model(tmp_path / "model")
     config = config_for(

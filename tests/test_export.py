@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from squall.cli import main as squall
+from squall.local.export import has_chat_template
 from squall.shared.keys import Keys
-from squall.tools.export import has_chat_template
 from squall.trainer.publish import Publisher
 from squall.trainer.torch_backend import TorchBackend
 from tests.inference_helpers import free_port

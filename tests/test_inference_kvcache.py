@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from squall.inference.kvcache import GROWTH_STEP, RoomyLayer, _append, roomy_cache, stack_caches
+from squall.inference.engines.kvcache import GROWTH_STEP, RoomyLayer, _append, roomy_cache, stack_caches
 from squall.inference.tiny import build_tiny_model
 
 torch.set_num_threads(1)

@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from squall.inference.detokenize import Detokenizer
-from squall.inference.sampling import reference_sample, sample
-from squall.inference.tools import (
+from squall.inference.engines.detokenize import Detokenizer
+from squall.inference.engines.sampling import reference_sample, sample
+from squall.inference.toolcalls import (
     ToolError,
     forced_prefix,
     parse_tool_calls,
@@ -127,7 +127,7 @@ def test_tool_choice_and_forced_prefix():
 
 
 def test_unknown_backend_is_named_with_the_known_ones():
-    from squall.inference.engine import make_engine
+    from squall.inference.engines.engine import make_engine
     from squall.shared.config import load_config
 
     config = load_config(env={})
@@ -140,7 +140,7 @@ def test_unknown_backend_is_named_with_the_known_ones():
 
 
 def _reply(**fields):
-    from squall.inference.render import Reply, TokenTexts
+    from squall.inference.http.render import Reply, TokenTexts
 
     texts = TokenTexts(lambda ids: "".join(chr(ord("a") + i % 26) for i in ids))
     base = {"meta": {"id": "x", "created": 0, "model": "policy"}, "node": "n1", "prompt_ids": [1, 2],
@@ -152,8 +152,8 @@ CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+1"}}\
 
 
 def test_render_chat_choice_parses_tool_calls_only_when_tools_were_offered():
-    from squall.inference.engine import Delta
-    from squall.inference.render import Choice, chat_choice
+    from squall.inference.engines.engine import Delta
+    from squall.inference.http.render import Choice, chat_choice
 
     c = Choice()
     c.add(
@@ -181,8 +181,8 @@ def test_render_chat_choice_parses_tool_calls_only_when_tools_were_offered():
 def test_render_streamed_chat_holds_text_back_until_the_tool_call_ends():
     import asyncio
 
-    from squall.inference.engine import Delta
-    from squall.inference.render import chat_chunks
+    from squall.inference.engines.engine import Delta
+    from squall.inference.http.render import chat_chunks
 
     prefix = "<tool_call>\n"
     rest = CALL.removeprefix(prefix)

@@ -266,7 +266,7 @@ def test_cpu_refuses_a_head_size_without_kernels_at_start(tmp_path):
 
     from vllm.platforms import current_platform
 
-    from squall.inference.vllm_engine import VllmEngine
+    from squall.inference.engines.vllm_engine import VllmEngine
     from squall.shared.config import InferenceSection
 
     if not current_platform.is_cpu():
@@ -281,7 +281,7 @@ def random_adapter(model, folder, *, version: int, seed: int):
     """A rank-8 adapter with random A and B on every q_proj and v_proj of `model`, written by the
     trainer's adapter writer (peft's layout); returns its checksum and the model it makes
     (the torch engine's merge, which tests/test_trainer_lora.py checks against peft's)."""
-    from squall.inference.adapters import merged_copy
+    from squall.inference.weights.adapters import merged_copy
     from squall.trainer.publish import write_adapter
 
     gen = torch.Generator().manual_seed(seed)

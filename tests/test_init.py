@@ -16,10 +16,10 @@ from typing import Literal
 import pytest
 from pydantic import Field
 
+from squall.local import init
 from squall.shared.config import RunConfig, Section
 from squall.shared.errors import ConfigError
 from squall.shared.localredis import free_port
-from squall.tools import init
 
 ROOT = Path(__file__).resolve().parents[1]
 FIELD_LINE = re.compile(r"^(# )?([a-z_]+) = (.*)$")

@@ -18,8 +18,8 @@ import torch
 from inference_helpers import NodeThread, free_port, perturbed_versions
 from waiting import wait_for
 
-from squall.inference.reload import Snapshot
 from squall.inference.tiny import build_tiny_model
+from squall.inference.weights.reload import Snapshot
 from squall.runner.gateway import Gateway, group_of, opponent_seats
 from squall.shared.config import RunnerSection, load_config
 from squall.shared.errors import ConfigError

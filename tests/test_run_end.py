@@ -22,14 +22,14 @@ from test_trainer_step import make_tiny_model, sampled_trajectory
 from waiting import wait_for
 
 from squall.api import UpResult
+from squall.local.up import measured_word
+from squall.monitor.status import collect, render
 from squall.scheduler.scheduler import Scheduler
-from squall.scheduler.status import collect, render
 from squall.shared import bus, dataend, schemas
 from squall.shared.heartbeat import HeartbeatWriter
 from squall.shared.keys import GROUP_TRAINER, Keys
 from squall.shared.ledger import Ledger
 from squall.shared.runstate import read_snapshot
-from squall.tools.up import measured_word
 
 pytestmark = pytest.mark.redis
 ROOT = Path(__file__).resolve().parents[1]

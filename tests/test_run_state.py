@@ -10,14 +10,14 @@ import time
 
 import pytest
 
-from squall.monitor.state import snapshot as dashboard_state
-from squall.scheduler.status import collect
+from squall.local.progress import snapshot as progress_state
+from squall.monitor.dashboard_state import snapshot as dashboard_state
+from squall.monitor.status import collect
 from squall.shared import bus, schemas
 from squall.shared.heartbeat import STALE_AFTER_S, HeartbeatWriter
 from squall.shared.keys import GROUP_RUNNERS, Keys
 from squall.shared.ledger import Ledger
 from squall.shared.runstate import read_snapshot
-from squall.tools.progress import snapshot as progress_state
 
 pytestmark = pytest.mark.redis
 

@@ -12,8 +12,8 @@ import pytest
 from runner_helpers import SQUALL, Procs, events, log_of, tasks, trajectories, write_jsonl
 from waiting import wait_for
 
+from squall.monitor.status import collect, render
 from squall.scheduler.scheduler import Scheduler
-from squall.scheduler.status import collect, render
 from squall.shared import bus, schemas
 from squall.shared.config import load_config
 from squall.shared.keys import Keys

@@ -15,7 +15,7 @@ import pytest
 
 from squall.shared.errors import ConfigError
 from squall.shared.keys import Keys
-from squall.tracking import cursor as cursors
+from squall.tracking import stream_cursor as cursors
 from squall.tracking.backends import make_backend
 from squall.tracking.track import Tracker, tracking_dir
 from tests.optional import installed, need

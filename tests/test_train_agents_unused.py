@@ -12,7 +12,7 @@ import httpx
 import pytest
 from runner_helpers import SQUALL, Procs, dispatch, log_of, trajectories
 from test_gateway_agents import inference, model_dir  # noqa: F401 (fixtures)
-from test_ops_dashboard import _start_dashboard, _stop
+from test_monitor_dashboard import _start_dashboard, _stop
 from waiting import wait_for
 
 from squall.runner.trainwatch import TrainAgentsWatch
@@ -106,8 +106,8 @@ def test_an_unused_train_agent_is_warned_once_in_logs_status_and_dashboard(
 def test_squall_up_prints_each_run_warning_once(r, run_name):
     import argparse
 
+    from squall.local.up import Up
     from squall.shared.config import load_config
-    from squall.tools.up import Up
 
     up = Up(load_config(None, overrides={"run": {"name": run_name}}, env={}), argparse.Namespace())
     up.r = r

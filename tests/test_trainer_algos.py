@@ -13,7 +13,7 @@ import torch
 from squall.shared.schemas import Trajectory, Turn, pack_logprobs, pack_tokens
 from squall.trainer.advantages import get_advantage_fn, grpo_advantages, rloo_advantages
 from squall.trainer.filters import decide_group
-from squall.trainer.groups import GroupAssembler
+from squall.trainer.group_assembly import GroupAssembler
 from squall.trainer.losses import k3_kl, ppo_tis_loss
 from squall.trainer.sequences import (
     OutOfVocab,

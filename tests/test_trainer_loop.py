@@ -14,7 +14,7 @@ from squall.shared import bus
 from squall.shared.keys import GROUP_TRAINER, Keys
 from squall.shared.ledger import Ledger
 from squall.shared.schemas import Trajectory, WeightVersion, decode
-from squall.trainer.main import Trainer
+from squall.trainer.trainer import Trainer
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 

@@ -22,14 +22,14 @@ from test_trainer_step import sampled_trajectory, step_batch
 from transformers import AutoModelForCausalLM
 from waiting import wait_for
 
-from squall.inference.torch_engine import TorchEngine
+from squall.inference.engines.torch_engine import TorchEngine
+from squall.local.export import export, version_file
 from squall.shared import bus
 from squall.shared.adapterfiles import ADAPTER_CONFIG, ADAPTER_WEIGHTS, FORMAT_LORA, verify_adapter
 from squall.shared.config import load_config
 from squall.shared.errors import ConfigError, WeightsError
 from squall.shared.keys import Keys
 from squall.shared.schemas import WeightVersion, decode
-from squall.tools.export import export, version_file
 from squall.trainer.backend import make_backend
 from squall.trainer.publish import Publisher
 from squall.trainer.sequences import trajectory_to_samples

@@ -1,5 +1,5 @@
 """A code-interpreter agent (ReTool-like) on the plain OpenAI SDK: the model may run Python in
-the tool pool's sandbox, then answers. It uses squall only through `squall.worker.client`,
+the tool pool's sandbox, then answers. It uses squall only through `squall.toolpool.client`,
 which any program can import; the code never runs in the runner.
 
 Two tool shapes, one sandbox:
@@ -20,7 +20,7 @@ import json
 from typing import Any
 
 from examples.calc.agent import CALCULATOR_TOOL, MAX_TOKENS, MAX_TURNS, SYSTEM_PROMPT, score
-from squall.worker.client import ToolError, arun_code
+from squall.toolpool.client import ToolError, arun_code
 
 PYTHON_TOOL: dict[str, Any] = {
     "type": "function",

@@ -3,7 +3,7 @@
 Before the first model call the agent searches the question itself and puts the top 3
 passages in the prompt (one hop is then usually in view); the model may call `search(query)`
 for the next hop. Every search goes to the tool pool's `retrieval` queue (BM25 over the
-generated corpus, served by `squall worker`, see squall.worker.client). It answers when it replies without a tool call, at most
+generated corpus, served by `squall worker`, see squall.toolpool.client). It answers when it replies without a tool call, at most
 `MAX_TURNS` model calls. Reward (`reward`): 1.0 when the final reply, normalised (lower case,
 no punctuation or articles), equals the answer or ends with it; else 0.0.
 """
@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from squall.worker.client import ToolError, asearch
-from squall.worker.judges import normalize
+from squall.toolpool.client import ToolError, asearch
+from squall.toolpool.judges import normalize
 
 SYSTEM_PROMPT = "Answer the question. Use the search tool to look facts up; it may take several searches. Reply with the answer only."
 SEARCH_TOOL: dict[str, Any] = {

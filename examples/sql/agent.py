@@ -1,6 +1,6 @@
 """A spider-like SQL agent as a LangGraph graph: write -> execute -> check -> (rewrite -> execute
 -> check)* -> done, on langchain-openai's ChatOpenAI (nothing squall-specific but the tool
-calls, through squall.worker.client).
+calls, through squall.toolpool.client).
 
 - write   (LLM, named agent `write`): a SELECT for the question, given the schema;
 - execute (tool pool, `sql` queue): runs it read-only on the database, returns rows or the error;
@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from typing import Any, TypedDict
 
-from squall.worker.client import ToolError, ajudge, arun_sql
+from squall.toolpool.client import ToolError, ajudge, arun_sql
 
 MAX_REWRITES = 2
 MAX_TOKENS = 128

@@ -67,6 +67,6 @@ def main(args: argparse.Namespace) -> int:
         level=config.run.log_level,
         node=section.node or f"{section.host}:{section.port}",
     )
-    from .node import run
+    from squall.inference.node import run
 
     return run(config)

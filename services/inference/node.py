@@ -28,13 +28,12 @@ import threading
 
 import structlog
 
+from squall.inference.engines.engine import make_engine
+from squall.inference.node_metrics import InferenceMetrics
 from squall.shared.config import RunConfig
 from squall.shared.errors import ConfigError, RedisUnavailable
 from squall.shared.keys import Keys
 from squall.shared.retry import RedisOutage
-
-from .engine import make_engine
-from .metrics import InferenceMetrics
 
 log = structlog.get_logger()
 
@@ -67,8 +66,8 @@ class InferenceNode:
     async def serve(self) -> None:
         import uvicorn
 
-        from .reload import Snapshot, WeightFollower
-        from .server import create_app
+        from squall.inference.http.server import create_app
+        from squall.inference.weights.reload import Snapshot, WeightFollower
 
         section = self.config.inference
         if section.backend == "torch" and section.torch_threads:

@@ -23,7 +23,7 @@ Chat template (the agreed Hermes/Qwen format, see notes/COMMON.md), `CHAT_TEMPLA
   `json.dumps(arguments)` (default separators) when arguments is a dict; a string is written
   verbatim, so a string made by `json.dumps` renders the same as its dict (OpenAI clients send
   back the string the server produced; the server re-dumps other strings with
-  `squall.inference.tools.normalize_messages`);
+  `squall.inference.toolcalls.normalize_messages`);
 - a `tool` message is its own user turn: `<|im_start|>user\\n<tool_response>\\n{content}\\n</tool_response><|im_end|>\\n`;
 - `add_generation_prompt` appends `<|im_start|>assistant\\n`.
 """

@@ -64,7 +64,7 @@ SCRIPT = ("evalsha",)
 # Read-only keyspace look-ups a monitor may make on the run's keys.
 KEY_INFO = ("exists", "type")
 
-# rq (the tool pool, services/worker), found by recording a pool's and its clients' traffic
+# rq (the tool pool, services/toolpool), found by recording a pool's and its clients' traffic
 # (redis-cli MONITOR): jobs are hashes, queues lists, registries sorted sets, results streams,
 # worker sets; WATCH/MULTI for status changes; EVALSHA for its locking scripts. rq's keys are
 # `rq:*` for every run alike (job ids are global): a user that may use rq may touch any rq job.
@@ -128,7 +128,7 @@ RQ_WRITE = (
     "evalsha",
 )
 # + channel rq:pubsub:* (stop/kill commands to workers). No INFO: the pool tells rq the server
-# version from HELLO (worker/queues.py), as INFO is refused to every service user.
+# version from HELLO (toolpool/queues.py), as INFO is refused to every service user.
 RQ_WORKER_KEYLESS = ("client|info", "subscribe", "unsubscribe")
 
 
@@ -212,7 +212,7 @@ MATRIX: dict[str, tuple[Grant, ...]] = {
         Grant(RQ_READ + RQ_WRITE, (RQ_KEYS,), write=True),
     ),
 }  # fmt: skip
-# Agents run inside the runner and enqueue tool jobs with its credentials (worker/client.py).
+# Agents run inside the runner and enqueue tool jobs with its credentials (toolpool/client.py).
 MATRIX["runner"] = (*MATRIX["runner"], Grant(RQ_READ + RQ_WRITE, (RQ_KEYS,), write=True))
 
 

@@ -18,10 +18,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from squall.ops.metrics import QueueCollector
+from squall.monitor.metrics import QueueCollector
 from squall.shared.keys import Keys
 
-from .state import snapshot
+from .dashboard_state import snapshot
 
 STATIC = Path(__file__).parent / "static"
 

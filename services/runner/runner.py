@@ -39,8 +39,8 @@ from typing import Any
 
 import redis
 
-from squall.ops.health import start_health_server
-from squall.ops.metrics import standard_metrics
+from squall.monitor.health import start_health_server
+from squall.monitor.metrics import standard_metrics
 from squall.shared import bus, schemas
 from squall.shared.config import RunConfig
 from squall.shared.errors import AgentError, RedisUnavailable, SchemaError
@@ -344,7 +344,7 @@ class Runner:
         await self._publish(delivery, trajectory, taken)
 
     def _observe(self, trajectory: schemas.Trajectory, taken: float) -> None:
-        """Prometheus: the standard squall metrics (names in squall.ops.metrics)."""
+        """Prometheus: the standard squall metrics (names in squall.monitor.metrics)."""
         self.metrics.attempts.labels(status=trajectory.status).inc()
         self.metrics.rollout_seconds.labels(mode=trajectory.mode).observe(time.time() - taken)
         self.metrics.inflight.set(len(self.running) - 1)

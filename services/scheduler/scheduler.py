@@ -340,8 +340,8 @@ class Scheduler:
     def run(self) -> int:
         from prometheus_client import REGISTRY
 
-        from squall.ops.health import start_health_server
-        from squall.ops.metrics import QueueCollector
+        from squall.monitor.health import start_health_server
+        from squall.monitor.metrics import QueueCollector
 
         REGISTRY.register(QueueCollector(self.r, self.keys))
         health, self.metrics_port = start_health_server(self.section.metrics_host, self.section.metrics_port,

@@ -31,8 +31,8 @@ from squall.shared.keys import Keys
 from squall.shared.retry import REDIS_ERRORS, RedisOutage
 from squall.shared.runstate import decode_entry, read_ledger, read_versions
 
-from . import cursor as cursors
 from . import sources
+from . import stream_cursor as cursors
 from .backends import Backend, make_backend
 
 log = structlog.get_logger()

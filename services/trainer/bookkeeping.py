@@ -28,7 +28,7 @@ from squall.shared.schemas import Trajectory
 
 from .checkpoint import DoneDelta, TrainerState
 from .filters import GroupDecision
-from .groups import CompleteGroup, GroupAssembler
+from .group_assembly import CompleteGroup, GroupAssembler
 
 LATE = "late"  # the consumed-reason of a member that came after its group completed
 

@@ -4,7 +4,7 @@
 HOST:PORT`) starts N ranks per node through torchrun (`python -m torch.distributed.run`),
 each running this same command without the launch options; see trainer/distributed.py.
 `--ray [--ray-address ADDR] --workers N` starts the N ranks as Ray Train workers instead
-(trainer/ray_launch.py)."""
+(trainer/launch.py)."""
 
 from __future__ import annotations
 
@@ -158,13 +158,13 @@ def main(args: argparse.Namespace) -> int:
 
 
 def ray_launch(args: argparse.Namespace) -> int:
-    """The ranks as Ray Train workers (trainer/ray_launch.py); the exit code."""
+    """The ranks as Ray Train workers (trainer/launch.py); the exit code."""
     from squall.shared.cliargs import config_from_args
     from squall.shared.logs import configure_logging
 
     from .checkpoint import CheckpointStore
-    from .ray_launch import RayLaunchError
-    from .ray_launch import launch as launch_on_ray
+    from .launch import RayLaunchError
+    from .launch import launch as launch_on_ray
 
     if args.nproc_per_node is not None:
         print("squall trainer: --ray starts the ranks itself: drop --nproc-per-node", file=sys.stderr)
@@ -191,7 +191,7 @@ def run_rank(args: argparse.Namespace) -> int:
     torch.set_num_threads(int(os.environ.get("SQUALL_TORCH_THREADS", "1")))
     from squall.shared.errors import RedisUnavailable
 
-    from .main import run
+    from .trainer import run
 
     try:
         code = run(config)

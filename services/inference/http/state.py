@@ -1,0 +1,41 @@
+"""What every route of one node works with: the engine and its tokenizer, the name it serves,
+the node id, the metrics, and the cache of decoded token texts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from squall.inference.engines.detokenize import decoder_of
+from squall.inference.engines.engine import Engine
+from squall.inference.http.protocol import ApiError
+from squall.inference.http.render import TokenTexts
+from squall.inference.node_metrics import InferenceMetrics
+
+
+@dataclass
+class ServerState:
+    """Shared by the routes of one app; built once by `server.create_app`."""
+
+    engine: Engine  # samples tokens; holds the weight version served now
+    model_name: str  # the name clients ask for (`model` in a request)
+    node: str  # this node's id, in every response body
+    metrics: InferenceMetrics
+    reasoning: bool = True  # split <think>...</think> into reasoning_content (inference.reasoning_parser)
+    token_texts: TokenTexts = field(init=False)  # token id -> its text, for logprob entries
+
+    def __post_init__(self) -> None:
+        self.token_texts = TokenTexts(decoder_of(self.engine.tokenizer))
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise ApiError(
+                404,
+                f"model {name!r} is not served here; this node serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )

@@ -1,0 +1,294 @@
+"""Hot weight reload: follow the `weights` stream and serve each new version.
+
+Every node reads the whole stream (XREAD, no consumer group: each node must see every
+version). On start it loads the newest published version, if any, before serving; then it
+blocks on XREAD from that entry. Of a burst of versions only the newest is loaded. A version
+is loaded only after its file's sha256 (a sharded version: its index's, then each shard's
+against the index) matches the announced checksum; a missing, corrupt or mismatched file is
+logged and counted (`squall_inference_weight_errors_total{reason}`) and the node keeps
+serving the version it had. A LoRA version (format "lora") is an adapter the engine applies
+to the base model it started with (`Engine.apply_adapter`). On success it XADDs WeightApplied to
+`weights:applied` and sets `versions[inference:<node>]`. It also writes the node's heartbeat
+(`inference:<node>`, through shared.heartbeat). While Redis does not answer, the node keeps
+serving and its reads and acknowledgements wait for Redis (shared.retry's one policy: logged,
+counted in `squall_inference_redis_errors_total`); past `run.redis_outage_s` the follower
+raises RedisUnavailable and the node stops.
+
+A snapshot node (`inference.pin_version` K, or `inference.behind_versions` N) serves an older
+policy, e.g. an opponent for self-play, without a second model file: it remembers every
+version the stream announced (`Snapshot.choose` picks K, or the newest minus N) and loads only
+that one. A pinned node acknowledges in `versions` as `snapshot:<node>`, which keeps version
+K's file from being pruned without holding back the pruning of newer ones; a trailing node
+acknowledges as `inference:<node>` like any follower, so the versions it will move to next stay
+on disk. A pin on a version never published, or whose file is gone, stops the node at start
+with an error naming `inference.pin_version`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from squall.inference.engines.engine import Engine
+from squall.inference.node_metrics import InferenceMetrics
+from squall.shared import schemas
+from squall.shared.adapterfiles import FORMAT_LORA, verify_adapter
+from squall.shared.errors import ConfigError, SchemaError, WeightsError
+from squall.shared.heartbeat import HeartbeatWriter
+from squall.shared.keys import WEIGHTS_APPLIED_MAXLEN, Keys
+from squall.shared.retry import REDIS_ERRORS, RedisOutage
+from squall.shared.weightfiles import FORMAT_FILE, FORMAT_SHARDED, read_index, sha256_file
+
+BLOCK_MS = 2000  # longest XREAD wait; also the heartbeat interval
+
+log = structlog.get_logger()
+
+
+class Snapshot:
+    """Which published version a node serves: the newest (default), exactly `pin`, or the
+    newest minus `behind`. Pure: `choose` looks only at the versions it is given."""
+
+    def __init__(self, pin: int = -1, behind: int = 0) -> None:
+        self.pin, self.behind = pin, behind
+
+    @property
+    def pinned(self) -> bool:
+        return self.pin >= 0
+
+    @property
+    def following(self) -> bool:
+        """A plain follower: the newest version, acknowledged as `inference:<node>`."""
+        return not self.pinned and not self.behind
+
+    def target(self, published: list[int]) -> int | None:
+        """The version to serve given the published ones (None: nothing to load)."""
+        if not published:
+            return None
+        if self.pinned:
+            return self.pin if self.pin in published else None
+        wanted = max(published) - self.behind
+        older = [v for v in published if v <= wanted]
+        return max(older) if older else None  # None: keep the model the node started with
+
+
+class WeightFollower:
+    """Keeps one node's engine on the newest good weight version."""
+
+    def __init__(
+        self,
+        r: Any,
+        keys: Keys,
+        engine: Engine,
+        *,
+        node: str,
+        metrics: InferenceMetrics,
+        outage: RedisOutage,
+        metrics_port: int = 0,
+        snapshot: Snapshot | None = None,
+    ) -> None:
+        self.r, self.keys, self.engine = r, keys, engine  # r: a redis.asyncio client
+        self.node, self.metrics, self.outage, self.metrics_port = node, metrics, outage, metrics_port
+        self.snapshot = snapshot or Snapshot()
+        self.beats = HeartbeatWriter(r, keys, "inference", node, every_s=BLOCK_MS / 1000)
+        self.last_id = "0-0"  # the stream entry read last
+        self.published: dict[int, schemas.WeightVersion] = {}  # snapshot nodes: version -> announcement
+        self._stopping = False
+
+    async def catch_up(self) -> None:
+        """Load the newest published version (a snapshot node: its version), if any; later
+        reads start after the last entry. A pin that cannot be served raises ConfigError."""
+        if self.snapshot.following:
+            newest = await self.r.xrevrange(self.keys.weights, count=1)
+            if newest:
+                entry_id, fields = newest[0]
+                self.last_id = _text(entry_id)
+                message = self._decode(self.last_id, fields)
+                if message is not None:
+                    await self.apply(message)
+        else:
+            self._remember(await self.r.xrange(self.keys.weights))
+            await self._serve_snapshot(at_start=True)
+        await self.heartbeat()
+
+    def _remember(self, entries: list) -> schemas.WeightVersion | None:
+        """Note the announced versions (snapshot nodes) and move last_id; returns the newest."""
+        newest = None
+        for entry_id, fields in entries:
+            self.last_id = _text(entry_id)
+            message = self._decode(self.last_id, fields)
+            if message is None:
+                continue
+            if not self.snapshot.following:
+                self.published[message.version] = message
+            if newest is None or message.version > newest.version:
+                newest = message
+        return newest
+
+    async def _serve_snapshot(self, *, at_start: bool = False) -> None:
+        target = self.snapshot.target(sorted(self.published))
+        pin = self.snapshot.pin
+        if target is None and self.snapshot.pinned and not (pin == 0 and self.engine.weight_version == 0):
+            if at_start:
+                known = sorted(self.published)
+                shown = f"{known[0]}..{known[-1]}" if known else "none yet"
+                raise ConfigError(
+                    f"inference.pin_version: version {pin} was never published on {self.keys.weights} "
+                    f"(published: {shown}); pin a published version, or trail the newest with "
+                    "inference.behind_versions"
+                )
+            return
+        if target is None:
+            if at_start:  # the initial model (version 0) is what a snapshot serves before any version
+                await self._acknowledge(schemas.WeightApplied(
+                    run=self.keys.run, node=self.node, version=self.engine.weight_version, load_s=0.0))  # fmt: skip
+            return
+        if target == self.engine.weight_version and not at_start:
+            return
+        applied = await self.apply(self.published[target])
+        if at_start and self.snapshot.pinned and not applied and self.engine.weight_version != pin:
+            raise ConfigError(
+                f"inference.pin_version: version {pin} cannot be loaded (file "
+                f"{self.published[pin].location} missing or corrupt; see the weights_rejected log "
+                "line); pin a version still on disk"
+            )
+
+    async def run(self) -> None:
+        """Follow until stopped; RedisUnavailable when Redis stays away past the outage deadline."""
+        while not self._stopping:
+            try:
+                await self._follow_once()
+            except REDIS_ERRORS as exc:  # Redis restarts: wait for it, then read on from last_id
+                await self.outage.wait_async(self.r, exc, "weights_follow")
+
+    async def _follow_once(self) -> None:
+        reply = await self.r.xread({self.keys.weights: self.last_id}, count=64, block=BLOCK_MS)
+        await self.heartbeat()
+        if not reply:
+            return
+        newest = self._remember(reply[0][1])
+        if not self.snapshot.following:
+            await self._serve_snapshot()
+        elif newest is not None:
+            await self.apply(newest)
+
+    def stop(self) -> None:
+        self._stopping = True
+
+    def _decode(self, entry_id: str, fields: dict) -> schemas.WeightVersion | None:
+        try:
+            raw = fields.get(schemas.ENTRY_FIELD)
+            if raw is None:
+                raise SchemaError("entry has no 'm' field")
+            return schemas.decode(raw, schemas.WeightVersion)
+        except SchemaError as exc:
+            self.metrics.weight_errors.labels("message").inc()
+            log.error("weights_message_invalid", entry=entry_id, error=str(exc))
+            return None
+
+    async def apply(self, message: schemas.WeightVersion) -> bool:
+        """Verify and load one version; False (old version kept) when it cannot be used."""
+        current = self.engine.weight_version
+        if message.version < current:
+            log.info("weights_skipped", version=message.version, serving=current)
+            return False
+        if message.version == current:
+            # Already serving it (e.g. version 0 is the model we started with): still say so,
+            # or the trainer would keep old files forever and status would show no version.
+            await self._acknowledge(
+                schemas.WeightApplied(run=self.keys.run, node=self.node, version=current, load_s=0.0)
+            )
+            return False
+        start = time.monotonic()
+        try:
+            await asyncio.to_thread(self._verify, message)
+            if message.format == FORMAT_LORA:
+                await self.engine.apply_adapter(message.version, message.location)
+            else:
+                await self.engine.apply_weights(message.version, message.location)
+        except WeightsError as exc:
+            reason = str(exc).split(":", 1)[0]
+            self.metrics.weight_errors.labels(reason).inc()
+            log.error(
+                "weights_rejected", version=message.version, serving=current, reason=reason, error=str(exc)
+            )
+            return False
+        load_s = time.monotonic() - start
+        applied = schemas.WeightApplied(
+            run=self.keys.run, node=self.node, version=message.version, load_s=load_s
+        )
+        await self._acknowledge(applied)
+        self.metrics.weight_reloads.inc()
+        self.metrics.reload_seconds.observe(load_s)
+        self.metrics.weight_version.set(message.version)
+        self.metrics.served_version.set(message.version)
+        log.info(
+            "weights_applied",
+            version=message.version,
+            step=message.step,
+            previous=current,
+            load_s=round(load_s, 3),
+        )
+        return True
+
+    async def _acknowledge(self, applied: schemas.WeightApplied) -> None:
+        """XADD WeightApplied and set our versions field; repeated after an outage, since the
+        stream entry that announced the version will not be read again."""
+        while True:
+            try:
+                pipe = self.r.pipeline(transaction=False)
+                pipe.xadd(
+                    self.keys.weights_applied, {schemas.ENTRY_FIELD: schemas.encode(applied)},
+                    maxlen=WEIGHTS_APPLIED_MAXLEN, approximate=True,
+                )  # fmt: skip
+                role = "snapshot" if self.snapshot.pinned else "inference"
+                pipe.hset(self.keys.versions, f"{role}:{self.node}", applied.version)
+                await pipe.execute()
+                return
+            except REDIS_ERRORS as exc:
+                if self._stopping:
+                    raise
+                await self.outage.wait_async(self.r, exc, "weights_ack")
+
+    @staticmethod
+    def _verify(message: schemas.WeightVersion) -> None:
+        """Raise WeightsError whose text starts with the reason: missing, format, checksum.
+        A sharded version: its index against the announced checksum here; each shard against
+        the index as the engine reads it (shardload.py). A LoRA adapter: both files against
+        the announced manifest checksum (shared.adapterfiles)."""
+        if message.format == FORMAT_LORA:
+            verify_adapter(message.location, message.checksum)
+            return
+        if message.format == FORMAT_SHARDED:
+            read_index(message.location, message.checksum)
+            return
+        if message.format != FORMAT_FILE:
+            raise WeightsError(
+                f"format: version {message.version} is {message.format!r}; "
+                f"known formats: {FORMAT_SHARDED}, {FORMAT_FILE}, {FORMAT_LORA}"
+            )
+        path = Path(message.location)
+        if not path.is_file():
+            raise WeightsError(f"missing: version {message.version} file {path} does not exist")
+        actual = sha256_file(path)
+        if actual != message.checksum.lower():
+            raise WeightsError(
+                f"checksum: version {message.version} file {path} has sha256 {actual}, announced {message.checksum}"
+            )
+
+    async def heartbeat(self) -> None:
+        """`inference:<node>`: the version served, where /metrics listens, the engine's counts, and
+        `follows_newest` (1: a plain follower; the scheduler's end round waits for those)."""
+        await self.beats.beat_async(
+            version=self.engine.weight_version,
+            metrics_port=self.metrics_port,
+            follows_newest=float(self.snapshot.following),
+            **self.engine.stats(),
+        )
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
