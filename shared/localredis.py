@@ -13,7 +13,6 @@ parent was killed) is ignored and removed by `recorded_servers()`.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import json
 import os
 import shutil
@@ -29,9 +28,10 @@ from pathlib import Path
 import redis
 
 from .errors import DeadlineExceeded, RedisUnavailable
+from .supervision import die_with_parent, stop
 
 START_DEADLINE_S = 10.0  # a local server that does not answer PING by then is broken
-PR_SET_PDEATHSIG = 1
+CLOSE_GRACE_S = 5.0  # SIGTERM -> SIGKILL on close()
 REGISTRY_ENV = "SQUALL_LOCAL_REDIS_DIR"  # overrides where running local servers are recorded
 
 
@@ -120,11 +120,7 @@ def free_port() -> int:
 
 
 def _die_with_parent() -> None:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
+    die_with_parent(signal.SIGTERM, required=False)  # SIGTERM: the server shuts down cleanly
 
 
 class LocalRedis:
@@ -210,12 +206,7 @@ class LocalRedis:
         if self.process is None or self.process.poll() is not None:
             return
         self._unrecord()
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(timeout=5)
+        stop([self.process], grace_s=CLOSE_GRACE_S)
 
     def __enter__(self) -> LocalRedis:
         return self.start() if self.process is None else self

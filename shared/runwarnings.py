@@ -37,7 +37,7 @@ class RunWarning:
         return asdict(self)
 
 
-def raise_once(r: redis.Redis, keys: Keys, warning: RunWarning) -> bool:
+def record_once(r: redis.Redis, keys: Keys, warning: RunWarning) -> bool:
     """Record `warning` unless this run already has it; True when this call recorded it (the
     caller then logs it: that is the once-per-run log line)."""
     return bool(r.hsetnx(keys.warnings, warning.field, json.dumps(asdict(warning))))

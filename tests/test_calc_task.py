@@ -146,7 +146,7 @@ def test_committed_policy_loads_with_the_agreed_template_and_starts_with_a_decis
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from squall.inference.tiny import CHAT_TEMPLATE
+    from squall.inference.chat_format import CHAT_TEMPLATE
 
     torch.set_num_threads(1)
     path = ROOT / "examples" / "calc" / "policy"

@@ -27,7 +27,7 @@ from squall.shared.ledger import Ledger
 from squall.shared.localredis import find_server_binary, free_port
 from squall.shared.redisconn import connect, redact
 from squall.shared.runlookup import has_run, runs_in
-from squall.shared.runwarnings import RunWarning, raise_once
+from squall.shared.runwarnings import RunWarning, record_once
 
 pytestmark = pytest.mark.redis
 
@@ -226,7 +226,7 @@ def test_runner_can_do_its_job(users):
     r.hdel(K.heartbeats, "runner:a")
     r.hget(K.versions, "trainer")
     r.xrevrange(K.control, count=1)
-    assert raise_once(r, K, RunWarning("train_agent_unused", "solver", "no call", 1.0, "runner:a"))
+    assert record_once(r, K, RunWarning("train_agent_unused", "solver", "no call", 1.0, "runner:a"))
     bus.publish(r, K.events, schemas.Event(run=RUN, service="runner", name="stopped"))
     assert users["admin"].xlen(K.trajectories) == 4
 
@@ -300,7 +300,7 @@ def test_inference_can_do_its_job(users):
 def test_monitor_reads_the_whole_run(users):
     _scheduler_dispatches(users["scheduler"])
     users["trainer"].hset(K.versions, "trainer", 3)
-    raise_once(users["runner"], K, RunWarning("train_agent_unused", "solver", "no call", 1.0, "runner:a"))
+    record_once(users["runner"], K, RunWarning("train_agent_unused", "solver", "no call", 1.0, "runner:a"))
     state = snapshot(users["monitor"], K)  # exactly what the dashboard and /metrics read
     assert state["ledger"]["dispatched"] == 4 and state["versions"]["trainer"] == 3
     assert [w["subject"] for w in state["warnings"]] == ["solver"]

@@ -25,7 +25,7 @@ from squall.shared import bus, schemas
 from squall.shared.keys import GROUP_RUNNERS, GROUP_SCHEDULER, GROUP_TRAINER, Keys
 from squall.shared.ledger import Ledger
 from squall.shared.localredis import free_port
-from squall.shared.runwarnings import RunWarning, raise_once
+from squall.shared.runwarnings import RunWarning, record_once
 
 pytestmark = pytest.mark.redis
 
@@ -217,7 +217,7 @@ def test_dashboard_in_headless_chromium_follows_a_live_run(r, redis_url, run_nam
     run.leave_some_in_flight()
     unused = RunWarning("train_agent_unused", "solver", "runner.train_agents lists 'solver', but no call came",
                         time.time(), "runner:host-a:1")  # fmt: skip
-    raise_once(r, Keys(run_name), unused)
+    record_once(r, Keys(run_name), unused)
     port = free_port()
     proc = _start_dashboard(redis_url, run_name, port)
     ARTIFACTS.mkdir(exist_ok=True)

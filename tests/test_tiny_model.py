@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from squall.inference.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, build_tiny_model, build_tokenizer
+from squall.inference.chat_format import CHAT_TEMPLATE, SPECIAL_TOKENS
+from squall.inference.tiny import build_tiny_model, build_tokenizer
 
 TOOLS = [
     {

@@ -18,7 +18,7 @@ from waiting import wait_for
 from squall.runner.trainwatch import TrainAgentsWatch
 from squall.shared.keys import Keys
 from squall.shared.localredis import free_port
-from squall.shared.runwarnings import RunWarning, raise_once, read_warnings
+from squall.shared.runwarnings import RunWarning, read_warnings, record_once
 from squall.shared.schemas import Turn
 
 
@@ -47,8 +47,8 @@ def test_watch_reports_a_silent_name_once_after_enough_attempts_with_calls():
 def test_a_warning_is_recorded_once_and_bad_fields_are_counted(r, run_name):
     keys = Keys(run_name)
     first = RunWarning("train_agent_unused", "solver", "said first", 1.0, "runner:a")
-    assert raise_once(r, keys, first)
-    assert not raise_once(r, keys, RunWarning("train_agent_unused", "solver", "said again", 2.0, "runner:b"))
+    assert record_once(r, keys, first)
+    assert not record_once(r, keys, RunWarning("train_agent_unused", "solver", "said again", 2.0, "runner:b"))
     r.hset(keys.warnings, "junk:x", "not json")
     skipped: dict[str, int] = {}
     assert read_warnings(r, keys, skipped) == [first] and skipped == {"warnings": 1}
@@ -112,7 +112,7 @@ def test_squall_up_prints_each_run_warning_once(r, run_name):
     up = Up(load_config(None, overrides={"run": {"name": run_name}}, env={}), argparse.Namespace())
     up.r = r
     assert "WARNING" not in up._progress_line()
-    raise_once(
+    record_once(
         r,
         Keys(run_name),
         RunWarning("train_agent_unused", "solver", "no call from 'solver'", 1.0, "runner:a"),

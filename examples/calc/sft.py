@@ -296,7 +296,7 @@ def parse_reply(text: str) -> dict[str, Any]:
 
 
 def tokenizer_eos() -> str:
-    from squall.inference.tiny import EOS_TOKEN
+    from squall.inference.chat_format import EOS_TOKEN
 
     return EOS_TOKEN
 

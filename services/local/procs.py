@@ -4,23 +4,18 @@ PR_SET_PDEATHSIG (so even kill -9 of `squall up` leaves no orphan), logs to a fi
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-PR_SET_PDEATHSIG = 1
+from squall.shared.supervision import die_with_parent, stop
 
 
 def _child_setup() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass
+    die_with_parent(signal.SIGKILL, required=False)
 
 
 @dataclass
@@ -57,20 +52,6 @@ class ServiceProcess:
     def exit_code(self) -> int | None:
         return None if self.process is None else self.process.poll()
 
-    def terminate(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-
-    def wait(self, deadline_s: float) -> int | None:
-        """Wait up to `deadline_s`; SIGKILL if still alive. Returns the exit code."""
-        if self.process is None:
-            return None
-        try:
-            return self.process.wait(timeout=max(deadline_s, 0.0))
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            return self.process.wait(timeout=10)
-
     def tail(self, lines: int = 15) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -80,7 +61,6 @@ class ServiceProcess:
 
 def stop_all(processes: list[ServiceProcess], grace_s: float) -> dict[str, int | None]:
     """SIGTERM every process, give them `grace_s` together, SIGKILL the rest."""
-    for proc in processes:
-        proc.terminate()
-    end = time.monotonic() + grace_s
-    return {proc.name: proc.wait(end - time.monotonic()) for proc in processes}
+    started = {proc.name: proc.process for proc in processes if proc.process is not None}
+    codes = dict(zip(started, stop(list(started.values()), grace_s), strict=True))
+    return {proc.name: codes.get(proc.name) for proc in processes}

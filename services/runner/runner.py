@@ -49,7 +49,7 @@ from squall.shared.keys import GROUP_RUNNERS, Keys
 from squall.shared.ledger import FINISH_BY_STATUS, Ledger, lua_move_function, lua_sources
 from squall.shared.logs import get_logger
 from squall.shared.retry import REDIS_ERRORS, RedisOutage
-from squall.shared.runwarnings import TRAIN_AGENT_UNUSED, RunWarning, raise_once
+from squall.shared.runwarnings import TRAIN_AGENT_UNUSED, RunWarning, record_once
 
 from .agents import LLM, CommandAgent, PythonAgent, load_callable, resolve_reward
 from .gateway import Gateway
@@ -366,7 +366,7 @@ class Runner:
             warning = RunWarning(TRAIN_AGENT_UNUSED, name, self.train_watch.message(name),
                                  time.time(), f"runner:{self.id}")  # fmt: skip
             try:
-                first = await self._call("warnings", raise_once, self.r, self.keys, warning)
+                first = await self._call("warnings", record_once, self.r, self.keys, warning)
             except redis.RedisError as exc:
                 first = True
                 self.log.warning("warning_not_recorded", error=str(exc))

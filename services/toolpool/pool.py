@@ -10,7 +10,6 @@ it on (rq: finish the current job, then exit), waits `grace_s`, then SIGKILLs th
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -20,10 +19,10 @@ import time
 from dataclasses import dataclass, field
 
 from squall.shared.config import RunConfig
+from squall.shared.supervision import die_with_parent, stop
 from squall.toolpool import jobs
 from squall.toolpool.queues import queue_name, serializer, tell_rq_the_server_version
 
-PR_SET_PDEATHSIG = 1
 RESTART_PAUSE_S = 1.0  # before restarting a worker that died
 GRACE_S = 30.0  # SIGTERM -> SIGKILL for the children
 
@@ -47,7 +46,7 @@ def _pool_worker_class() -> type:
             return int(self.job_monitoring_interval) * 3
 
         def main_work_horse(self, job, queue):  # type: ignore[no-untyped-def]
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            die_with_parent(signal.SIGKILL)
             if os.getppid() == 1:  # the worker died between fork and prctl
                 os._exit(1)
             return super().main_work_horse(job, queue)
@@ -76,7 +75,7 @@ def work_one(config: RunConfig, tools: list[str], name: str | None = None, burst
 
 def _child_setup() -> None:
     os.setpgid(0, 0)
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    die_with_parent(signal.SIGKILL)
 
 
 @dataclass
@@ -118,16 +117,5 @@ class Supervisor:
 
     def _shutdown(self, grace_s: float = GRACE_S) -> int:
         alive = [c for c in self.children if c is not None and c.poll() is None]
-        for child in alive:
-            child.send_signal(signal.SIGTERM)
-        end = time.monotonic() + grace_s
-        for child in alive:
-            try:
-                child.wait(timeout=max(end - time.monotonic(), 0.0))
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(child.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                child.wait(timeout=10)
+        stop(alive, grace_s, kill_group=True)  # SIGTERM the worker; SIGKILL its group (horse, sandbox)
         return 0

@@ -33,12 +33,12 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
+from squall.shared.supervision import die_with_parent
 from squall.toolpool import landlock
 
 SANDBOX_UID_BASE = 1_000_000  # as root, job uids are 1_000_000 + child pid: no real account owns them
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
-PR_SET_PDEATHSIG = 1
 READ_CHUNK = 65536  # bytes per read of the child's pipes
 EXIT_POLL_S = 0.05  # with no output for this long, check whether the main process has exited
 STDERR_TAIL_CHARS = 2000  # what of stderr the model sees
@@ -110,7 +110,7 @@ class _Confine:
             os.setresgid(uid, uid, uid)
             os.setresuid(uid, uid, uid)
         # After the uid change: changing credentials clears the parent-death signal.
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        die_with_parent(signal.SIGKILL)
         landlock.restrict(self.read_paths, [self.workdir, os.devnull])
 
 
