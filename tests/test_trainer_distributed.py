@@ -25,8 +25,8 @@ from squall.shared.ledger import Ledger
 from squall.shared.schemas import decode
 from squall.trainer.backend import make_backend
 from squall.trainer.checkpoint import CheckpointStore, TrainerState, WorldSizeMismatch
-from squall.trainer.cli import rank_environment, rank_processes, torchrun_command
 from squall.trainer.distributed import WorldSizeError, check_devices
+from squall.trainer.launch import rank_environment, rank_processes, torchrun_command
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[1]
