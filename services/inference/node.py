@@ -1,15 +1,16 @@
 """An inference node: one model replica behind an OpenAI-compatible API, following weights.
 
 Parts, each its own module, wired here and nowhere else:
-- engine.py — the backend interface and factory; torch_engine.py (transformers, continuous
-  batching, sampling.py, detokenize.py) and vllm_engine.py implement it;
-- server.py — wires the HTTP API (FastAPI) over the engine: routes.py (one plain handler per
-  route, over state.py's ServerState), render.py (response bodies, SSE chunks, headers),
-  gate.py (API key, request metrics); protocol.py validates request bodies, tools.py
-  renders and parses tool calls;
-- reload.py — follows the `weights` stream, verifies and hot-loads new versions, acknowledges
-  them, and writes the heartbeat; rides through Redis outages (shared.retry);
-- metrics.py — the Prometheus registry behind /metrics.
+- engines/ — engine.py, the backend interface and factory; torch_engine.py (transformers,
+  continuous batching, kvcache.py, sampling.py, detokenize.py) and vllm_engine.py implement it;
+- http/ — server.py wires the HTTP API (FastAPI) over the engine: routes.py (one plain handler
+  per route, over state.py's ServerState), render.py (response bodies, SSE chunks, headers),
+  gate.py (API key, request metrics); protocol.py validates request bodies, and
+  ../toolcalls.py renders and parses tool calls in the format of chat_format.py;
+- weights/ — reload.py follows the `weights` stream, verifies and hot-loads new versions
+  (shardload.py for sharded ones, adapters.py for LoRA), acknowledges them, and writes the
+  heartbeat; rides through Redis outages (shared.retry);
+- node_metrics.py — the Prometheus registry behind /metrics.
 
 Start-up order: load the model, load the newest published weights (so a restarted node never
 serves a stale version), then listen. Shutdown: stop listening, stop following, stop the engine.
