@@ -26,7 +26,7 @@ from squall.shared.schemas import decode
 from squall.trainer.backend import make_backend
 from squall.trainer.checkpoint import CheckpointStore, TrainerState, WorldSizeMismatch
 from squall.trainer.distributed import WorldSizeError, check_devices
-from squall.trainer.launch import rank_environment, rank_processes, torchrun_command
+from squall.trainer.launch_torchrun import rank_environment, rank_processes, torchrun_command
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[1]

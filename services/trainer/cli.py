@@ -3,8 +3,9 @@
 `--nproc-per-node N` (and, across machines, `--nnodes M --node-rank K --rdzv-endpoint
 HOST:PORT`) starts N ranks per node through torchrun (`python -m torch.distributed.run`),
 each running this same command without the launch options; `--ray [--ray-address ADDR]
---workers N` starts the N ranks as Ray Train workers instead. Both launchers are in
-trainer/launch.py; how the ranks work together is trainer/distributed.py."""
+--workers N` starts the N ranks as Ray Train workers instead. The launchers are
+trainer/launch_torchrun.py and trainer/launch_ray.py; how the ranks work together is
+trainer/distributed.py."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from .checkpoint import WorldSizeMismatch
     from .distributed import WorldSizeError
-    from .launch import launch_torchrun
+    from .launch_torchrun import launch_torchrun
 
     try:
         if args.ray or args.ray_address:
@@ -67,12 +68,12 @@ def main(args: argparse.Namespace) -> int:
 
 
 def ray_launch(args: argparse.Namespace) -> int:
-    """The ranks as Ray Train workers (trainer/launch.py); the exit code."""
+    """The ranks as Ray Train workers (trainer/launch_ray.py); the exit code."""
     from squall.shared.cliargs import config_from_args
     from squall.shared.logs import configure_logging
 
     from .checkpoint import CheckpointStore
-    from .launch import RayLaunchError, launch_ray
+    from .launch_ray import RayLaunchError, launch_ray
 
     if args.nproc_per_node is not None:
         print("squall trainer: --ray starts the ranks itself: drop --nproc-per-node", file=sys.stderr)
