@@ -19,7 +19,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from squall.monitor import acl
-from squall.monitor.dashboard_state import snapshot
+from squall.monitor.snapshot_json import snapshot
 from squall.shared import bus, dataend, schemas
 from squall.shared.heartbeat import read_heartbeats
 from squall.shared.keys import GROUP_RUNNERS, GROUP_SCHEDULER, GROUP_TRAINER, Keys

@@ -20,7 +20,7 @@ import pytest
 import redis
 from optional import installed, need
 
-from squall.monitor.dashboard_state import snapshot
+from squall.monitor.snapshot_json import snapshot
 from squall.shared import bus, schemas
 from squall.shared.keys import GROUP_RUNNERS, GROUP_SCHEDULER, GROUP_TRAINER, Keys
 from squall.shared.ledger import Ledger

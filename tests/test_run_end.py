@@ -269,7 +269,7 @@ def test_up_trains_the_last_partial_step_and_validates_the_final_version(tmp_pat
 
     # Item 6b: every service stopped cleanly and reads as stopped; the finished run holds no group.
     status = collect(r, run_name)
-    states = {name: body["state"] for name, body in status["processes"].items()}
+    states = {proc["id"]: proc["state"] for proc in status["heartbeats"]}
     assert states and set(states.values()) == {"stopped"}, states
     assert {name.split(":")[0] for name in states} == {"inference", "trainer", "scheduler", "runner"}
     assert status["finished"] and status["open_groups"] == 0, status

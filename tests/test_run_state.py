@@ -11,7 +11,7 @@ import time
 import pytest
 
 from squall.local.progress import snapshot as progress_state
-from squall.monitor.dashboard_state import snapshot as dashboard_state
+from squall.monitor.snapshot_json import snapshot as dashboard_state
 from squall.monitor.status import collect
 from squall.shared import bus, schemas
 from squall.shared.heartbeat import STALE_AFTER_S, HeartbeatWriter
@@ -92,12 +92,14 @@ def test_every_view_renders_the_same_reading(r, run_name):
         == progress["ledger"]["dispatched"]
         == 3
     )
-    assert status["ledger"]["balanced"] and page["ledger"]["balanced"] and progress["balanced"]
+    assert status["ledger"]["balanced"] and page["ledger"]["balanced"] and progress["ledger"]["balanced"]
     assert status["runners_alive"] == 1
     # the newest 4 entries: train v2, val round1, the NaN round (no point), the raw one (skipped)
-    assert [(p["mode"], p["version"]) for p in status["rewards"]] == [("train", 2), ("val", 2)]
-    assert [p["version"] for p in page["rewards"]["train"]] == [p["version"] for p in progress["train"]]
+    assert [(p["mode"], p["version"]) for p in status["recent_rewards"]] == [("train", 2), ("val", 2)]
+    assert [p["version"] for p in page["rewards"]["train"]] == [
+        p["version"] for p in progress["rewards"]["train"]
+    ]
     assert progress["step"] == 2 and progress["tokens_per_s"] == 200.0
     assert math.isclose(progress["train_reward"], 0.1)
-    assert status["versions"] == {"trainer": 5, "inference:a": 5, "inference:b": 3}
+    assert status["versions"]["raw"] == {"trainer": 5, "inference:a": 5, "inference:b": 3}
     assert page["versions"]["max_behind"] == 2

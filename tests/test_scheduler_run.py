@@ -89,8 +89,10 @@ def test_run_to_completion_with_epochs_and_ledger(r, redis_url, run_name, tmp_pa
     assert len(points) == 10 and {p.mode for p in points} == {"train"}
     status = collect(r, run_name)
     assert status["ledger"]["balanced"] and status["open_groups"] == 0
-    assert status["streams"]["trajectories"]["groups"]["scheduler"]["pending"] == 0
-    assert status["runners_alive"] == 1 and [p["mode"] for p in status["rewards"]] == ["train"] * 10
+    assert {(g["stream"], g["group"]): g["pending"] for g in status["groups"]}[
+        ("trajectories", "scheduler")
+    ] == 0
+    assert status["runners_alive"] == 1 and [p["mode"] for p in status["recent_rewards"]] == ["train"] * 10
     cli = subprocess.run([*SQUALL, "status", "--run", run_name, "--redis-url", redis_url],
                          capture_output=True, text=True, timeout=30)  # fmt: skip
     assert cli.returncode == 0 and "conservation OK" in cli.stdout and "dispatched=20" in cli.stdout, (

@@ -268,7 +268,7 @@ def test_pool_summary_and_rq_info(pool, redis_url):
 
 
 def test_status_and_dashboard_show_the_pool(pool):
-    from squall.monitor.dashboard_state import snapshot
+    from squall.monitor.snapshot_json import snapshot
     from squall.monitor.status import collect, render
     from squall.shared.keys import Keys
 

@@ -7,30 +7,24 @@ from typing import Any
 
 import redis
 
+from squall.monitor.snapshot_json import render as render_snapshot
 from squall.shared.keys import Keys
 from squall.shared.runstate import RunSnapshot, read_snapshot
 
 RECENT_GROUPS = 16  # train groups averaged into the progress line's train_reward
 
 
-def _points(points: list[Any]) -> list[dict[str, Any]]:
-    return [{"version": p.version, "mean": p.mean, "count": p.count, "time": p.time} for p in points]
-
-
 def render(snap: RunSnapshot) -> dict[str, Any]:
-    """The run as `squall up` prints and saves it: every reward point, the newest step."""
+    """The run as `squall up` prints and saves it: the snapshot in its one JSON shape
+    (monitor/snapshot_json.py), plus the newest step, its throughput, the recent train reward
+    and the trainer's last version at the data's end."""
     recent = snap.train_rewards[-RECENT_GROUPS:]
     last = snap.metrics.last
     return {
-        "ledger": snap.ledger.with_dispatched(),
-        "balanced": snap.ledger.balanced,
-        "versions": snap.versions.raw,
-        "train": _points(snap.train_rewards),
-        "val": _points(snap.val_rewards),
+        **render_snapshot(snap),
         "step": last.step if last is not None else 0,
         "tokens_per_s": snap.metrics.latest("tokens_per_s", "throughput/tokens_per_s"),
         "train_reward": sum(p.mean for p in recent) / len(recent) if recent else float("nan"),
-        "warnings": [w.message for w in snap.warnings],  # each raised once per run
         "last_version": snap.end.trainer_version if snap.end is not None else None,  # trainer's, at data end
     }
 
@@ -51,14 +45,15 @@ def plot_curve(snap: dict[str, Any], path: Path, title: str = "squall: GRPO") ->
         return None
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     by_version: dict[int, list[float]] = {}
-    for point in snap["train"]:  # several groups share a version: one mean per version
+    for point in snap["rewards"]["train"]:  # several groups share a version: one mean per version
         by_version.setdefault(point["version"], []).append(point["mean"])
     if by_version:
         xs = sorted(by_version)
         means = [sum(by_version[x]) / len(by_version[x]) for x in xs]
         ax.plot(xs, means, label="train reward (mean of groups)", color="tab:blue", alpha=0.7)
-    if snap["val"]:
-        ax.plot([p["version"] for p in snap["val"]], [p["mean"] for p in snap["val"]], "o-", label="validation reward",
+    val = snap["rewards"]["val"]
+    if val:
+        ax.plot([p["version"] for p in val], [p["mean"] for p in val], "o-", label="validation reward",
                 color="tab:orange")  # fmt: skip
     ax.set_xlabel("policy version")
     ax.set_ylabel("reward")

@@ -259,16 +259,17 @@ class Up:
 
     def _progress_line(self) -> str:
         s = self._snapshot()
-        ledger = " ".join(f"{k}={v}" for k, v in sorted(s["ledger"].items()) if k != "dispatched")
-        val = s["val"][-1]["mean"] if s["val"] else float("nan")
+        ledger = " ".join(f"{k}={v}" for k, v in sorted(s["ledger"]["counts"].items()))
+        val_points = s["rewards"]["val"]
+        val = val_points[-1]["mean"] if val_points else float("nan")
         minutes = (time.monotonic() - self.started) / 60
-        new = [message for message in s["warnings"] if message not in self.warned]
+        new = [w["message"] for w in s["warnings"] if w["message"] not in self.warned]
         self.warned.update(new)
         return "".join(f"squall up: WARNING {message}\n" for message in new) + (
-            f"[{minutes:5.1f} min] step={s['step']} version trainer={s['versions'].get('trainer', '-')} "
-            f"inference={','.join(str(v) for k, v in sorted(s['versions'].items()) if k.startswith('inference'))} "
+            f"[{minutes:5.1f} min] step={s['step']} version trainer={s['versions']['raw'].get('trainer', '-')} "
+            f"inference={','.join(str(v) for k, v in sorted(s['versions']['raw'].items()) if k.startswith('inference'))} "
             f"train_reward={s['train_reward']:.3f} val_reward={val:.3f} tokens/s={s['tokens_per_s']:.0f} "
-            f"| dispatched={s['ledger'].get('dispatched', 0)} {ledger}"
+            f"| dispatched={s['ledger']['dispatched']} {ledger}"
         )
 
     def _report(self) -> None:
@@ -282,7 +283,8 @@ class Up:
             print(f"squall up: no final report ({exc})", file=sys.stderr)
             return
         minutes = (time.monotonic() - self.started) / 60
-        val = [point["mean"] for point in s["val"]]
+        val_curve = s["rewards"]["val"]
+        val = [point["mean"] for point in val_curve]
         summary = {
             "run": self.keys.run,
             "minutes": round(minutes, 2),
@@ -291,21 +293,21 @@ class Up:
             "val_reward_end": val[-1] if val else None,
             # the version that last round measured, and the trainer's last one (None: the data did
             # not run out, or the trainer never said): equal when the run ended measured on its final weights
-            "val_reward_end_version": s["val"][-1]["version"] if s["val"] else None,
+            "val_reward_end_version": val_curve[-1]["version"] if val_curve else None,
             "trainer_last_version": s["last_version"],
-            "val_curve": s["val"],
-            "train_curve": s["train"],
+            "val_curve": val_curve,
+            "train_curve": s["rewards"]["train"],
             "steps": s["step"],
-            "ledger": s["ledger"],
-            "ledger_balanced": s["balanced"],
-            "versions": s["versions"],
+            "ledger": {"dispatched": s["ledger"]["dispatched"], **s["ledger"]["counts"]},
+            "ledger_balanced": s["ledger"]["balanced"],
+            "versions": s["versions"]["raw"],
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         self.summary = summary
         png = plot_curve(s, self.run_dir / "learning_curve.png", title=f"squall: run {self.keys.run}, GRPO")
         fmt = lambda x: "nan" if x is None else f"{x:.3f}"  # noqa: E731
         print(
-            f"squall up: curve {png}, summary {self.run_dir / 'summary.json'}, ledger balanced={s['balanced']}"
+            f"squall up: curve {png}, summary {self.run_dir / 'summary.json'}, ledger balanced={summary['ledger_balanced']}"
         )
         print(f"{self.args.label}: val_reward_start={fmt(summary['val_reward_start'])} "
               f"val_reward_end={fmt(summary['val_reward_end'])} {measured_word(summary)} minutes={minutes:.1f}",

@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from squall.monitor.metrics import QueueCollector
 from squall.shared.keys import Keys
 
-from .dashboard_state import snapshot
+from .snapshot_json import snapshot
 
 STATIC = Path(__file__).parent / "static"
 

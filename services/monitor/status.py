@@ -8,7 +8,6 @@ and each inference node's weight version, open groups, and the recent rewards.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from typing import Any
 
@@ -21,60 +20,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rewards", type=int, default=10, help="recent reward points to show (default 10)")
 
 
-def _streams(snap: Any) -> dict[str, Any]:
-    streams: dict[str, Any] = {}
-    for name, stream in snap.streams.items():
-        info: dict[str, Any] = {"length": stream.length}
-        if stream.groups:
-            info["groups"] = {
-                g.group: {"pending": g.pending, "lag": g.lag, "consumers": g.consumers} for g in stream.groups
-            }
-        streams[name] = info
-    return streams
+def _recent_rewards(snap: Any, count: int) -> list[dict[str, Any]]:
+    """The newest `count` reward points, train and validation together, oldest first."""
+    from squall.monitor.snapshot_json import reward_points
 
-
-def _processes(snap: Any) -> dict[str, Any]:
-    out = {}
-    for p in snap.processes:
-        beat_time = p.beat.time if p.beat is not None else None
-        age = round(p.age_s, 1) if p.age_s is not None else None
-        out[p.id] = {"time": beat_time, **p.fields(), "age_s": age, "alive": p.alive, "state": p.state}
-    return out
-
-
-def _rewards(snap: Any, count: int) -> list[dict[str, Any]]:
-    points = (
-        sorted([*snap.train_rewards, *snap.val_rewards], key=lambda p: p.time)[-count:] if count > 0 else []
-    )
-    return [{"version": p.version, "mode": p.mode, "mean": p.mean, "count": p.count, "group_id": p.group_id}
-            for p in points]  # fmt: skip
+    points = sorted([*snap.train_rewards, *snap.val_rewards], key=lambda p: p.time)
+    return reward_points(points[-count:]) if count > 0 else []
 
 
 def collect(r: Any, run: str, rewards: int = 10) -> dict[str, Any]:
-    """Everything `squall status` shows, as plain data (shared.runstate's snapshot, rendered)."""
+    """Everything `squall status` shows, as plain data: the run snapshot in its one JSON shape
+    (monitor/snapshot_json.py), plus the tool pool, live runners and the newest rewards."""
+    from squall.monitor.snapshot_json import render as render_snapshot
     from squall.shared.keys import Keys
     from squall.shared.runstate import read_snapshot
     from squall.toolpool.summary import pool_summary
 
     snap = read_snapshot(r, Keys(run), rewards=max(rewards, 0), metrics=0)
     return {
-        "run": run,
-        "ledger": {
-            "dispatched": snap.ledger.dispatched,
-            "states": snap.ledger.counts,
-            "balanced": snap.ledger.balanced,
-        },
-        "streams": _streams(snap),
-        "processes": _processes(snap),
+        **render_snapshot(snap),
         "runners_alive": len(snap.alive("runner")),
-        "versions": snap.versions.raw,
-        "open_groups": snap.open_groups,
-        "finished": snap.finished,
-        "end": dataclasses.asdict(snap.end) if snap.end is not None else None,
-        "scheduler": snap.scheduler,
-        "rewards": _rewards(snap, rewards),
-        "skipped": snap.skipped,
-        "warnings": [w.fields() for w in snap.warnings],
+        "recent_rewards": _recent_rewards(snap, rewards),
         "tools": pool_summary(r, run),
     }
 
@@ -84,22 +50,23 @@ def render(status: dict[str, Any]) -> str:
     lines += [f"WARNING    {w['message']}" for w in status.get("warnings", [])]
     ledger = status["ledger"]
     check = "OK" if ledger["balanced"] else "MISMATCH"
-    states = "  ".join(f"{k}={v}" for k, v in sorted(ledger["states"].items()))
+    states = "  ".join(f"{k}={v}" for k, v in sorted(ledger["counts"].items()))
     lines.append(f"ledger     dispatched={ledger['dispatched']}  {states}  conservation {check}")
     lines.append("streams")
-    for name, info in status["streams"].items():
+    for name, length in status["streams"].items():
         groups = "  ".join(
-            f"[{g}: lag={v['lag']} pending={v['pending']} consumers={v['consumers']}]"
-            for g, v in info.get("groups", {}).items()
+            f"[{g['group']}: lag={g['lag']} pending={g['pending']} consumers={g['consumers']}]"
+            for g in status["groups"]
+            if g["stream"] == name
         )
-        lines.append(f"  {name:<16} {info['length']:>8}  {groups}")
+        lines.append(f"  {name:<16} {length:>8}  {groups}")
     lines.append(f"processes  ({status['runners_alive']} runners alive)")
-    for name, body in sorted(status["processes"].items()):
-        state = {"alive": "alive", "stopped": "stopped"}.get(body.get("state", ""), "GONE")
-        extra = {k: v for k, v in body.items() if k not in ("time", "age_s", "alive", "state", "stopped")}
-        age = "-" if body["age_s"] is None else body["age_s"]
-        lines.append(f"  {name:<40} {state:<7} {age:>7}s ago  {json.dumps(extra)[:120]}")
-    versions = "  ".join(f"{k}={v}" for k, v in sorted(status["versions"].items())) or "(none yet)"
+    for proc in status["heartbeats"]:
+        state = {"alive": "alive", "stopped": "stopped"}.get(proc["state"], "GONE")
+        extra = {k: v for k, v in proc["fields"].items() if k != "stopped"}
+        age = "-" if proc["age_s"] is None else proc["age_s"]
+        lines.append(f"  {proc['id']:<40} {state:<7} {age:>7}s ago  {json.dumps(extra)[:120]}")
+    versions = "  ".join(f"{k}={v}" for k, v in sorted(status["versions"]["raw"].items())) or "(none yet)"
     lines.append(f"versions   {versions}")
     sched = status["scheduler"]
     lines.append(
@@ -113,8 +80,8 @@ def render(status: dict[str, Any]) -> str:
             f"last version v{end['trainer_version']} (step {end['trainer_step']})"
         )  # fmt: skip
         lines.append(f"end        data ran out ({end['samples']} samples); trainer: {answer}")
-    lines.append("rewards    " + ("(none yet)" if not status["rewards"] else ""))
-    for p in status["rewards"]:
+    lines.append("rewards    " + ("(none yet)" if not status["recent_rewards"] else ""))
+    for p in status["recent_rewards"]:
         lines.append(f"  v{p['version']:<5} {p['mode']:<5} mean={p['mean']:.4f}  n={p['count']}")
     tools = status.get("tools")
     if tools and (tools["workers"] or any(sum(q.values()) for q in tools["queues"].values())):

@@ -1,12 +1,16 @@
-"""The dashboard's JSON: `shared.runstate.read_snapshot` rendered for the page and /api/state.
+"""A run snapshot as JSON: `shared.runstate.read_snapshot` rendered once, in one shape, for
+every view of a run — `squall status --json` (status.py), the dashboard's /api/state
+(dashboard.py) and `squall up`'s progress line and summary (local/progress.py). Each view adds
+only what is its own (the tool pool's summary, the newest rewards, the latest step).
 
-Nothing here reads Redis itself; it only shapes the one snapshot every view of a run uses
-(see shared/runstate.py for what is read, and how malformed entries are skipped and counted).
-Numbers that are not finite never reach the page (JSON has no NaN).
+`render` reads nothing; `snapshot` reads and renders (see shared/runstate.py for what is read,
+and how malformed entries are skipped and counted). Numbers that are not finite never reach
+the output (JSON has no NaN).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from typing import Any
@@ -49,11 +53,20 @@ def _heartbeats(snap: runstate.RunSnapshot) -> list[dict[str, Any]]:
 
 def _versions(versions: runstate.VersionsState) -> dict[str, Any]:
     nodes = [{"node": n.node, "version": n.version, "behind": n.behind} for n in versions.nodes]
-    return {"trainer": versions.trainer, "nodes": nodes, "max_behind": versions.max_behind}
+    return {
+        "trainer": versions.trainer,
+        "nodes": nodes,
+        "max_behind": versions.max_behind,
+        "raw": versions.raw,
+    }
 
 
-def _curve(points: list[Any]) -> list[dict[str, Any]]:
-    return [{"version": p.version, "mean": p.mean, "count": p.count, "time": _finite(p.time)} for p in points]
+def reward_points(points: list[Any]) -> list[dict[str, Any]]:
+    return [
+        {"version": p.version, "mode": p.mode, "mean": p.mean, "count": p.count, "group_id": p.group_id,
+         "time": _finite(p.time)}
+        for p in points
+    ]  # fmt: skip
 
 
 def _metrics(metrics: runstate.MetricsState) -> dict[str, Any]:
@@ -73,7 +86,7 @@ def _events(snap: runstate.RunSnapshot) -> list[dict[str, Any]]:
 
 
 def render(snap: runstate.RunSnapshot) -> dict[str, Any]:
-    """Everything the dashboard shows, as JSON-ready data."""
+    """The snapshot as JSON-ready data: the one shape every view of a run starts from."""
     return {
         "run": snap.run,
         "time": snap.time,
@@ -82,17 +95,21 @@ def render(snap: runstate.RunSnapshot) -> dict[str, Any]:
         "ledger": _ledger(snap.ledger),
         "heartbeats": _heartbeats(snap),
         "versions": _versions(snap.versions),
-        "rewards": {"train": _curve(snap.train_rewards), "val": _curve(snap.val_rewards)},
+        "rewards": {"train": reward_points(snap.train_rewards), "val": reward_points(snap.val_rewards)},
         "metrics": _metrics(snap.metrics),
         "deadletters": [{"entry": d.entry, **d.fields} for d in snap.deadletters],
         "events": _events(snap),
         "skipped": snap.skipped,
         "warnings": [w.fields() for w in snap.warnings],
+        "scheduler": snap.scheduler,
+        "open_groups": snap.open_groups,
+        "finished": snap.finished,
+        "end": dataclasses.asdict(snap.end) if snap.end is not None else None,
     }
 
 
 def snapshot(r: redis.Redis, keys: Keys) -> dict[str, Any]:
-    """Read the run (and its tool pool) and render it for the page."""
+    """Read the run (and its tool pool) and render it: the dashboard's /api/state."""
     from squall.toolpool.summary import pool_summary
 
     return {**render(runstate.read_snapshot(r, keys)), "tools": pool_summary(r, keys.run)}
