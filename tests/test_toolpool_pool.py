@@ -278,3 +278,15 @@ def test_status_and_dashboard_show_the_pool(pool):
     page = snapshot(pool["r"], Keys(RUN))
     assert page["tools"]["queues"].keys() == status["tools"]["queues"].keys()
     assert page["tools"]["queues"]["code"]["finished"] >= 1
+
+
+def test_toolpool_is_the_command_and_worker_its_older_name():
+    from squall.cli import COMMANDS
+
+    assert COMMANDS["toolpool"][0] == COMMANDS["worker"][0] == "squall.toolpool.cli"
+    for name in ("toolpool", "worker"):
+        shown = subprocess.run([sys.executable, "-m", "squall.cli", name, "--help"],
+                               capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert (
+            shown.returncode == 0 and f"usage: squall {name}" in shown.stdout and "--workers" in shown.stdout
+        )
