@@ -415,6 +415,32 @@ class TrackingSection(Section):
     """How often the tracker reads the streams."""
 
 
+class AlertsSection(Section):
+    """Stall detection (services/monitor/stalls.py): what counts as a run that stopped making
+    progress. The scheduler checks every `check_every_s` and writes `stall`/`stall_cleared`
+    events; `squall status`, the dashboard and /metrics show the stalls found now."""
+
+    step_stall_s: float = Field(600.0, gt=0)
+    """The trainer's step counter has not moved for this long while trajectories wait for it."""
+    slow_group_factor: float = Field(3.0, gt=1)
+    """A group still rolling out is slow once its age passes this many times the median age of
+    the groups rolling out (and `slow_group_min_s`)."""
+    slow_group_min_s: float = Field(60.0, ge=0)
+    """No group younger than this is called slow."""
+    attempt_stuck_s: float = Field(0.0, ge=0)
+    """An attempt a live runner has held this long is stuck (0: scheduler.task_timeout_s + 30 s,
+    past the deadline by which the runner should have ended it)."""
+    node_stale_s: float = Field(60.0, ge=0)
+    """A node more than scheduler.max_staleness versions behind is stale once the first version
+    it misses has been published this long."""
+    deadletter_window_s: float = Field(300.0, gt=0)
+    """Dead letters are counted over this window and the one before it."""
+    deadletter_min: int = Field(5, ge=1)
+    """Dead letters in the last window that, when more than in the window before, make a rising rate."""
+    check_every_s: float = Field(10.0, gt=0)
+    """How often the scheduler looks for stalls."""
+
+
 class RunConfig(Section):
     """The whole run file."""
 
@@ -426,6 +452,7 @@ class RunConfig(Section):
     inference: InferenceSection = InferenceSection()
     worker: WorkerSection = WorkerSection()
     tracking: TrackingSection = TrackingSection()
+    alerts: AlertsSection = AlertsSection()
 
     def to_json(self) -> str:
         return self.model_dump_json()

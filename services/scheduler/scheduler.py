@@ -16,7 +16,9 @@ Parts (one module each; `Scheduler` below wires them, and none imports this modu
                 version the end round measures, waits for the nodes to serve it;
 - `control`     pause / resume / drain / limits from the `control` stream;
 - `trimming`    `Trimmer`: acknowledged `tasks`/`trajectories` entries, long-dead heartbeats;
-- `report`      events and reward points (`schemas.RewardPoint` on `rewards`).
+- `report`      events and reward points (`schemas.RewardPoint` on `rewards`);
+- `monitor.stalls.StallWatch`  looks for stalls every `alerts.check_every_s` and writes
+                `stall` / `stall_cleared` events.
 
 The end of the data (shared/dataend.py): once the data ran out and every training group rolled
 out, the scheduler tells the trainer, which trains what it still holds (a last, smaller step)
@@ -54,6 +56,7 @@ from typing import TypeVar
 
 import redis
 
+from squall.monitor.stalls import StallCollector, StallWatch, Thresholds
 from squall.shared import bus, dataend, schemas
 from squall.shared.config import RunConfig
 from squall.shared.heartbeat import HeartbeatWriter
@@ -104,6 +107,9 @@ class Scheduler:
         self.validation = validation.Validation(r, keys, section, self.dispatcher, self.log)
         self.ending = Ending(r, keys, section, self.log)
         self.trimmer = Trimmer(r, keys, section.trim_every_s, self.log)
+        self.stalls = StallWatch(
+            r, keys, Thresholds.from_config(config), config.alerts.check_every_s, self.log
+        )
         self.cursor = Cursor()
         self.groups: dict[str, Group] = {}
         self._order: list[int] | None = None
@@ -329,6 +335,7 @@ class Scheduler:
             return False
         self._heartbeat(version)
         self.trimmer.maybe_trim()
+        self.stalls.maybe_check()
         # Entries still pending under our (shared) consumer name were left by a crash, by a
         # deposed leader that read them after losing the lead, or by an outage: handling is
         # idempotent.
@@ -344,6 +351,7 @@ class Scheduler:
         from squall.ops.metrics import QueueCollector
 
         REGISTRY.register(QueueCollector(self.r, self.keys))
+        REGISTRY.register(StallCollector(self.r, self.keys, self.stalls.thresholds))
         health, self.metrics_port = start_health_server(self.section.metrics_host, self.section.metrics_port,
                                                         info=lambda: {"open_groups": len(self.groups)})  # fmt: skip
         try:
