@@ -119,6 +119,10 @@ class SchedulerSection(Section):
     trim_every_s: float = Field(10.0, gt=0)
     """How often the scheduler trims `tasks`/`trajectories` below what every group acknowledged
     and prunes heartbeats of long-gone processes."""
+    keep_rollouts_per_version: int = Field(32, ge=0)
+    """Attempts of each weight version (the first ones to finish) the scheduler keeps in
+    {run.dir}/rollouts for `squall show`, the dashboard's viewer and `squall rescore` once
+    `trajectories` is trimmed (0: keep none)."""
 
 
 class RunnerSection(Section):

@@ -3,6 +3,8 @@
 - `GET /`           the page (services/monitor/static/index.html: plain JS, inline SVG, no CDN)
 - `GET /api/state`  monitor.state.snapshot() of the run, JSON (the page polls it every 1.5 s),
                     stalls (monitor.stalls) included: the page shows them as a red banner
+- `GET /trajectories` and `/api/trajectories`, `/api/trajectory/KEY`, `/api/group/ID`: the
+                    trajectory viewer (monitor.viewer)
 - `GET /health`     liveness; `GET /metrics` Prometheus (queue lag and ledger included)
 
 With an API key, /api/state and /metrics want `Authorization: Bearer KEY`; the page takes
@@ -26,6 +28,8 @@ from squall.shared.keys import Keys
 
 from .stalls import StallCollector, thresholds_for
 from .state import snapshot
+from .trajectories import TrajectoryView, resolve_dirs
+from .viewer import add_viewer_routes
 
 STATIC = Path(__file__).parent / "static"
 
@@ -63,6 +67,10 @@ def create_app(r: redis.Redis, keys: Keys, *, api_key: str = "", config: Any = N
                 {"run": keys.run, "error": f"redis: {type(exc).__name__}: {exc}"[:300]}, status_code=503
             )
         return JSONResponse(body, headers={"Cache-Control": "no-store"})
+
+    run_dir, model_dir = resolve_dirs(r, keys, config or RunConfig(), None, None)
+    advantage = config.trainer.advantage if config is not None else "grpo"
+    add_viewer_routes(app, TrajectoryView(r, keys, run_dir, model_dir, advantage), authorized, refused)
 
     @app.get("/health")
     def health() -> dict[str, str]:

@@ -17,6 +17,8 @@ Parts (one module each; `Scheduler` below wires them, and none imports this modu
 - `control`     pause / resume / drain / limits from the `control` stream;
 - `trimming`    `Trimmer`: acknowledged `tasks`/`trajectories` entries, long-dead heartbeats;
 - `report`      events and reward points (`schemas.RewardPoint` on `rewards`);
+- `monitor.rollouts.RolloutKeeper`  a bounded sample of each version's attempts in the run
+                folder, for reading (and re-scoring) after `trajectories` is trimmed;
 - `monitor.stalls.StallWatch`  looks for stalls every `alerts.check_every_s` and writes
                 `stall` / `stall_cleared` events.
 
@@ -56,6 +58,7 @@ from typing import TypeVar
 
 import redis
 
+from squall.monitor.rollouts import RolloutKeeper
 from squall.monitor.stalls import StallCollector, StallWatch, Thresholds
 from squall.shared import bus, dataend, schemas
 from squall.shared.config import RunConfig
@@ -107,6 +110,7 @@ class Scheduler:
         self.validation = validation.Validation(r, keys, section, self.dispatcher, self.log)
         self.ending = Ending(r, keys, section, self.log)
         self.trimmer = Trimmer(r, keys, section.trim_every_s, self.log)
+        self.keeper = RolloutKeeper(config.run.dir, section.keep_rollouts_per_version)
         self.stalls = StallWatch(
             r, keys, Thresholds.from_config(config), config.alerts.check_every_s, self.log
         )
@@ -278,6 +282,7 @@ class Scheduler:
             self.consumer.ack([delivery.entry_id])
             return
         self.counts["outcomes"] += 1
+        self.keeper.keep(traj, group.payload, delivery.entry_id)
         version = self.trainer_version() if outcome is Outcome.RETRY else group.version
         if self.outcomes.record(delivery, group, outcome, self.cursor, version):
             self.groups.pop(group.group_id, None)
