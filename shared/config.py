@@ -417,6 +417,9 @@ class TrackingSection(Section):
     """Rollout samples (trajectories decoded to text) logged per policy version (0: none)."""
     poll_s: float = Field(2.0, gt=0, le=300)
     """How often the tracker reads the streams."""
+    otlp_endpoint: str = ""
+    """OpenTelemetry: the OTLP/HTTP endpoint (e.g. http://collector:4318) the runner and trainer
+    send their spans to (services/tracking/otel.py; needs the `otel` extra); empty: no tracing."""
 
 
 class AlertsSection(Section):

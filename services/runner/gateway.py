@@ -58,6 +58,7 @@ class Attempt:
     final_answer: str | None = None  # text of the last assistant message returned
     error: str | None = None  # a contract break seen by the gateway (fails the attempt)
     llm_s: float = 0.0  # seconds spent waiting for inference
+    call_starts: list[float] = field(default_factory=list)  # unix time each turn's call began (for tracing)
     min_version: int = 0  # the task's min_version: nodes known to serve older weights come last
     seat_models: dict[str, str] = field(default_factory=dict)  # seat -> opponent model playing it
 
@@ -352,6 +353,7 @@ class Gateway:
                 raise ValueError(f"{len(ids)} token ids but {len(logprobs)} logprobs")
             if ids is None or logprobs is None:  # a frozen endpoint without both: text only
                 ids, logprobs = None, None  # the version stays when it said (a snapshot node)
+            attempt.call_starts.append(time.time() - latency)
             attempt.turns.append(
                 Turn(
                     agent=agent,
