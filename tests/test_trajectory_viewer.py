@@ -25,8 +25,8 @@ from waiting import wait_for
 from examples.calc.tasks import generate
 from squall.monitor.rollouts import RolloutKeeper, read_kept
 from squall.monitor.trajectories import TrajectoryView
-from squall.shared import schemas
-from squall.shared.keys import Keys
+from squall.shared import bus, schemas
+from squall.shared.keys import GROUP_RUNNERS, Keys
 from squall.shared.localredis import free_port
 
 pytestmark = pytest.mark.redis
@@ -177,6 +177,13 @@ def test_viewer_click_through_in_headless_chromium(calc_run):
     need("browser", installed("playwright"), "playwright is not installed (pip install playwright)")
     from playwright import sync_api
 
+    # A burst of dead letters (malformed tasks a runner's read dead-letters): a stall for the banner.
+    client, keys = redis.Redis.from_url(calc_run["redis_url"]), Keys(calc_run["run"])
+    reader = bus.GroupConsumer(client, keys.tasks, GROUP_RUNNERS, "runner-z", kind=schemas.Task,
+                               deadletter_stream=keys.deadletter)  # fmt: skip
+    for _ in range(6):
+        client.xadd(keys.tasks, {"m": b"\x93not a task"})
+    reader.read(10, block_ms=100)
     port = free_port()
     os.environ.update({"SQUALL_RUN__DIR": str(calc_run["run_dir"]), "SQUALL_MODEL__PATH": str(POLICY)})
     try:
@@ -190,6 +197,9 @@ def test_viewer_click_through_in_headless_chromium(calc_run):
             browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS)
             page = browser.new_page(viewport={"width": 1500, "height": 1200})
             page.goto(f"http://127.0.0.1:{port}/")
+            page.wait_for_selector("[data-testid=stalls] [data-kind=deadletters_rising]", timeout=10_000)
+            assert "6 dead letters in the last 300s" in page.inner_text("[data-testid=stalls]")
+            page.screenshot(path=str(ARTIFACTS / "dashboard-stall.png"), full_page=True)
             page.click("[data-testid=viewer-link]")
             page.wait_for_selector("[data-testid=row]", timeout=10_000)
             assert page.locator("[data-testid=row]").count() == SAMPLES * GROUP_SIZE
