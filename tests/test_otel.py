@@ -173,3 +173,74 @@ def test_tracing_off_imports_nothing_heavy():
             "print(t.enabled, any(m.startswith('opentelemetry') for m in sys.modules))")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["False", "False"], out.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_real_trainer_step_and_publication_spans_and_a_paused_trainer_is_a_stall(
+    r, redis_url, run_name, tmp_path
+):
+    """A real trainer (tiny model, CPU) sends a span per step linked to the attempts it trained
+    (as its trained.jsonl lists them) and a publication span per version linked to its step.
+    SIGSTOP it while trajectories wait: `trainer_stalled`; SIGCONT: it steps again, cleared."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import torch
+    from test_stalls import kinds
+    from test_trainer_e2e import trained_log, write_config
+    from test_trainer_step import make_tiny_model, sampled_trajectory
+    from transformers import AutoModelForCausalLM
+
+    from squall.shared import bus
+    from squall.shared.keys import GROUP_TRAINER
+    from squall.shared.schemas import Trajectory
+
+    torch.set_num_threads(1)
+    collector = Collector()
+    model_path = make_tiny_model(tmp_path / "model")
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    keys = Keys(run_name)
+    bus.ensure_group(r, keys.trajectories, GROUP_TRAINER)
+
+    def publish_groups(groups: range) -> None:
+        for g in groups:
+            members = [sampled_trajectory(model, f"g{g}", i, float(i % 2), seed=g * 10 + i) for i in range(4)]
+            bus.publish_many(r, keys.trajectories,
+                             [Trajectory(**{**{f: getattr(t, f) for f in t.__struct_fields__}, "run": run_name})
+                              for t in members])  # fmt: skip
+
+    config = write_config(tmp_path, redis_url, run_name, model_path)
+    env = {**os.environ, "SQUALL_TRACKING__OTLP_ENDPOINT": collector.url, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "squall.cli", "trainer", "--config", str(config)], cwd=ROOT,
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    run_dir = tmp_path / "run"
+    try:
+        publish_groups(range(2))
+        wait_for(lambda: len(trained_log(run_dir)) >= 2, 180, "two steps")
+        proc.send_signal(signal.SIGSTOP)  # the trainer is paused; rollouts go on
+        publish_groups(range(2, 4))
+        wait_for(lambda: "trainer_stalled" in kinds(r, run_name), 10, "trainer_stalled")
+        proc.send_signal(signal.SIGCONT)
+        wait_for(lambda: len(trained_log(run_dir)) >= 4, 120, "two more steps")
+        wait_for(lambda: "trainer_stalled" not in kinds(r, run_name), 10, "the stall to clear")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, proc.stderr.read().decode()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    collector.close()
+    steps = {s["attributes"]["squall.step"]: s for s in collector.named("trainer step")}
+    publications = {s["attributes"]["squall.weight_version"]: s for s in collector.named("publish weights")}
+    for line in trained_log(run_dir):
+        step = steps[line["step"]]
+        assert step["service"] == "squall-trainer"
+        assert set(step["links"]) == {_hex(*attempt_ids(run_name, key)) for key in line["keys"]}
+        version = step["attributes"]["squall.weight_version"]
+        assert (publications[version]["trace"], publications[version]["span"]) == _hex(
+            *publication_ids(run_name, version)
+        )
+        assert publications[version]["links"] == [(step["trace"], step["span"])]
