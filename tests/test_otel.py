@@ -244,3 +244,61 @@ def test_real_trainer_step_and_publication_spans_and_a_paused_trainer_is_a_stall
             *publication_ids(run_name, version)
         )
         assert publications[version]["links"] == [(step["trace"], step["span"])]
+
+
+def test_gateway_sends_each_calls_traceparent_upstream():
+    """The node sees the `traceparent` of the call's span, so its own spans join the attempt."""
+    import asyncio
+    import json as jsonlib
+
+    import httpx
+
+    from squall.runner.gateway import Gateway
+    from squall.shared.config import load_config
+    from squall.tracking.otel import traceparent
+
+    seen: list[str | None] = []
+
+    class Upstream(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            self.rfile.read(int(self.headers["content-length"]))
+            seen.append(self.headers.get("traceparent"))
+            body = jsonlib.dumps({"weight_version": 0, "node": "fake", "prompt_token_ids": [1, 2], "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop",
+                 "token_ids": [5], "logprobs": {"content": [{"logprob": -0.5}]}}]}).encode()  # fmt: skip
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    section = load_config(env={}, overrides={"runner": {"inference_urls": [url], "gateway_port": 0}}).runner
+    key = "g1:0#0"
+
+    async def two_calls() -> None:
+        gateway = Gateway(section, "policy")
+        await gateway.start()
+        try:
+            attempt = gateway.open(key)
+            attempt.trace_parent = lambda i: traceparent(7, call_span_id("run", key, i))
+            async with httpx.AsyncClient() as client:
+                for _ in range(2):
+                    reply = await client.post(f"{gateway.base_url(attempt.token)}/chat/completions",
+                                              json={"model": "policy", "messages": [{"role": "user", "content": "x"}]})  # fmt: skip
+                    assert reply.status_code == 200, reply.text
+            assert len(attempt.turns) == 2 and len(attempt.call_starts) == 2
+        finally:
+            await gateway.stop()
+
+    try:
+        asyncio.run(two_calls())
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert seen == [traceparent(7, call_span_id("run", key, 0)), traceparent(7, call_span_id("run", key, 1))]

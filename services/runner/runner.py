@@ -51,7 +51,7 @@ from squall.shared.ledger import FINISH_BY_STATUS, Ledger, lua_move_function, lu
 from squall.shared.logs import get_logger
 from squall.shared.retry import REDIS_ERRORS, RedisOutage
 from squall.shared.runwarnings import TRAIN_AGENT_UNUSED, RunWarning, raise_once
-from squall.tracking.otel import attempt_ids, traceparent, tracer_for
+from squall.tracking.otel import attempt_ids, call_span_id, traceparent, tracer_for
 
 from .agents import LLM, CommandAgent, PythonAgent, load_callable, resolve_reward
 from .gateway import Gateway
@@ -315,11 +315,14 @@ class Runner:
             return
         attempt = self.gateway.open(task.key, task.min_version)
         root = self.gateway.base_url(attempt.token).removesuffix("/v1")
+        trace_id, span_id = attempt_ids(self.keys.run, task.key)
         llm = LLM(
             base_url=f"{root}/v1", model=self.config.model.name, api_key=f"squall-{attempt.token}", _root=root,
-            traceparent=traceparent(*attempt_ids(self.keys.run, task.key)) if self.tracer.enabled else "",
-        )
+            traceparent=traceparent(trace_id, span_id) if self.tracer.enabled else "",
+        )  # fmt: skip
         began = time.time()
+        if self.tracer.enabled:
+            attempt.trace_parent = lambda i: traceparent(trace_id, call_span_id(self.keys.run, task.key, i))
         status, reward, error = "ok", None, None
         agent_started = time.perf_counter()
         deadline = asyncio.timeout(remaining)
