@@ -190,3 +190,38 @@ def test_scheduler_config_gives_the_thresholds():
                                        "alerts": {"step_stall_s": 30}})  # fmt: skip
     t = Thresholds.from_config(config)
     assert (t.step_stall_s, t.attempt_stuck_s, t.max_staleness) == (30, 80, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_scheduler_writes_stall_events_and_serves_the_gauge(r, redis_url, run_name, tmp_path):
+    """A real scheduler: malformed trajectories it dead-letters raise `deadletters_rising`; it
+    writes `stall`, its /metrics shows the gauge, and `stall_cleared` follows once the window passes."""
+    import json
+
+    import httpx
+    from runner_helpers import events as all_events
+    from runner_helpers import write_jsonl
+
+    data = write_jsonl(tmp_path / "d.jsonl", [{"id": "s0"}])
+    procs = Procs(redis_url, run_name, tmp_path, SQUALL_SCHEDULER__HOLD_UNTIL_TRAINED="false",
+                  SQUALL_ALERTS__CHECK_EVERY_S="0.2", SQUALL_ALERTS__DEADLETTER_MIN="3",
+                  SQUALL_ALERTS__DEADLETTER_WINDOW_S="2")  # fmt: skip
+    keys = Keys(run_name)
+    try:
+        procs.start("scheduler", "--dataset", str(data), "--group-size", "2")
+        beat = wait_for(
+            lambda: r.hget(keys.heartbeats, next(iter(r.hkeys(keys.heartbeats)), b"-")), 30, "a beat"
+        )
+        for _ in range(4):
+            r.xadd(keys.trajectories, {"m": b"\x93not a trajectory"})
+        wait_for(lambda: [e for e in all_events(r, run_name, "stall")], 15, "a stall event")
+        (stall,) = all_events(r, run_name, "stall")
+        assert stall.fields["kind"] == "deadletters_rising" and stall.fields["value"] == 4
+        port = json.loads(beat)["metrics_port"]
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        assert 'squall_stalls{kind="deadletters_rising"} 1.0' in text
+        cleared = wait_for(lambda: all_events(r, run_name, "stall_cleared"), 15, "stall_cleared")
+        assert cleared[0].fields["kind"] == "deadletters_rising" and cleared[0].fields["seconds"] > 0
+    finally:
+        procs.stop_all()
