@@ -24,7 +24,7 @@ from waiting import wait_for
 
 from examples.calc.tasks import generate
 from squall.monitor.rollouts import RolloutKeeper, read_kept
-from squall.monitor.trajectories import TrajectoryView
+from squall.monitor.trajectories import Filters, NotFound, TrajectoryView
 from squall.shared import bus, schemas
 from squall.shared.keys import GROUP_RUNNERS, Keys
 from squall.shared.localredis import free_port
@@ -223,3 +223,39 @@ def test_viewer_click_through_in_headless_chromium(calc_run):
     finally:
         _stop(proc)
     assert (ARTIFACTS / "trajectories.png").stat().st_size > 10_000
+
+
+def test_live_attempts_are_read_from_the_stream_with_ledger_and_payload(r, run_name, tmp_path):
+    """While a run is live: attempts still in `trajectories`, their payload from the open group,
+    their ledger state, filters, and a kept record winning over its live copy."""
+    from tracking_helpers import tokenizer, trajectory
+
+    from squall.shared.ledger import Ledger
+
+    keys, tok = Keys(run_name), tokenizer()
+    made = [trajectory(run_name, key, version, reward, tok) for key, version, reward in
+            ((1, 0, 1.0), (2, 1, 0.0), (3, 1, 1.0))]  # fmt: skip
+    for t, _, _ in made:
+        bus.publish(r, keys.trajectories, t)
+    r.hset(keys.groups, "g2", json.dumps({"payload": {"question": "What is 12 * 8?"}}))
+    ledger = Ledger(r, keys)
+    ledger.move([made[0][0].key], "pending", allowed_from=["new"])
+    ledger.move([made[0][0].key], "ok")
+    ledger.move([made[0][0].key], "trained")
+    RolloutKeeper(tmp_path, 4).keep(made[2][0], {"question": "kept"}, "1-0")
+    view = TrajectoryView(r, keys, str(tmp_path), str(POLICY))
+    listing = view.list()
+    assert listing["total"] == 3 and listing["sources"] == {"kept": 1, "live": 2} and listing["decoded"]
+    assert [row["key"] for row in view.list(Filters(ledger="trained"))["rows"]] == ["g1:0#0"]
+    assert [row["key"] for row in view.list(Filters(version=1, min_reward=0.5))["rows"]] == ["g3:0#0"]
+    detail = view.detail("g2:0#0")
+    assert detail["payload"] == {"question": "What is 12 * 8?"} and detail["source"] == "live"
+    t, prompt, rest = made[1]
+    assert detail["turns"][0]["prompt_text"] == prompt  # decoded from the recorded ids
+    assert detail["turns"][0]["tool_calls"] == [{"name": "calculator", "arguments": {"expression": "12 * 8"}}]
+    assert (
+        detail["turns"][1]["prompt_continues"] and "<tool_response>" in detail["turns"][1]["new_prompt_text"]
+    )
+    assert view.detail("g3:0#0")["payload"] == {"question": "kept"}
+    with pytest.raises(NotFound, match="no trajectory 'g9:0#0'"):
+        view.detail("g9:0#0")
