@@ -293,10 +293,12 @@ class Trainer:
         publish_s = time.perf_counter() - publish_start
         if samples and self.tracer.enabled:
             keys = [t.key for d in decisions for t in d.train]
-            step_span = self.tracer.trainer_step(self.state.step, keys, step_began, trained_at,
-                                                 self.state.version if bump else None)  # fmt: skip
+            version = self.state.version if bump else None
+            step_span = self.tracer.trainer_step(self.state.step, keys, step_began, trained_at, version)
             if bump:
-                self.tracer.publication(self.state.version, self.state.step, trained_at, time.time(), step_span)
+                self.tracer.publication(
+                    self.state.version, self.state.step, trained_at, time.time(), step_span
+                )
         if samples:
             metrics.update(self._step_metrics(decisions, samples, stats, counts))
             metrics.update({
