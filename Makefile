@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV ?= .venv
 # The CPU build of torch; override on GPU machines, e.g. TORCH="torch==2.13.0".
 TORCH ?= torch==2.13.0
-EXTRAS ?= ml,serve,data,dev,tools,track,ray
+EXTRAS ?= ml,serve,data,dev,tools,track,ray,otel
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.squall-installed
 

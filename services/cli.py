@@ -43,6 +43,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "squall.tracking.cli",
         "log a run's metrics, rewards, ledger and samples to W&B, TensorBoard, MLflow",
     ),
+    "show": ("squall.monitor.show", "read kept attempts turn by turn, decoded with the run's tokenizer"),
+    "rescore": (
+        "squall.monitor.rescore",
+        "apply a new reward function to kept attempts and compare (no model call)",
+    ),
     "export": ("squall.local.export", "write a published weight version as a Hugging Face model folder"),
 }
 

@@ -119,6 +119,10 @@ class SchedulerSection(Section):
     trim_every_s: float = Field(10.0, gt=0)
     """How often the scheduler trims `tasks`/`trajectories` below what every group acknowledged
     and prunes heartbeats of long-gone processes."""
+    keep_rollouts_per_version: int = Field(32, ge=0)
+    """Attempts of each weight version (the first ones to finish) the scheduler keeps in
+    {run.dir}/rollouts for `squall show`, the dashboard's viewer and `squall rescore` once
+    `trajectories` is trimmed (0: keep none)."""
 
 
 class RunnerSection(Section):
@@ -413,6 +417,35 @@ class TrackingSection(Section):
     """Rollout samples (trajectories decoded to text) logged per policy version (0: none)."""
     poll_s: float = Field(2.0, gt=0, le=300)
     """How often the tracker reads the streams."""
+    otlp_endpoint: str = ""
+    """OpenTelemetry: the OTLP/HTTP endpoint (e.g. http://collector:4318) the runner and trainer
+    send their spans to (services/tracking/otel.py; needs the `otel` extra); empty: no tracing."""
+
+
+class AlertsSection(Section):
+    """Stall detection (services/monitor/stalls.py): what counts as a run that stopped making
+    progress. The scheduler checks every `check_every_s` and writes `stall`/`stall_cleared`
+    events; `squall status`, the dashboard and /metrics show the stalls found now."""
+
+    step_stall_s: float = Field(600.0, gt=0)
+    """The trainer's step counter has not moved for this long while trajectories wait for it."""
+    slow_group_factor: float = Field(3.0, gt=1)
+    """A group still rolling out is slow once its age passes this many times the median age of
+    the groups rolling out (and `slow_group_min_s`)."""
+    slow_group_min_s: float = Field(60.0, ge=0)
+    """No group younger than this is called slow."""
+    attempt_stuck_s: float = Field(0.0, ge=0)
+    """An attempt a live runner has held this long is stuck (0: scheduler.task_timeout_s + 30 s,
+    past the deadline by which the runner should have ended it)."""
+    node_stale_s: float = Field(60.0, ge=0)
+    """A node more than scheduler.max_staleness versions behind is stale once the first version
+    it misses has been published this long."""
+    deadletter_window_s: float = Field(300.0, gt=0)
+    """Dead letters are counted over this window and the one before it."""
+    deadletter_min: int = Field(5, ge=1)
+    """Dead letters in the last window that, when more than in the window before, make a rising rate."""
+    check_every_s: float = Field(10.0, gt=0)
+    """How often the scheduler looks for stalls."""
 
 
 class RunConfig(Section):
@@ -426,6 +459,7 @@ class RunConfig(Section):
     inference: InferenceSection = InferenceSection()
     worker: WorkerSection = WorkerSection()
     tracking: TrackingSection = TrackingSection()
+    alerts: AlertsSection = AlertsSection()
 
     def to_json(self) -> str:
         return self.model_dump_json()

@@ -20,6 +20,7 @@ from redis.retry import Retry
 
 from squall.monitor import acl
 from squall.monitor.snapshot_json import snapshot
+from squall.monitor.stalls import Thresholds, detect
 from squall.shared import bus, dataend, schemas
 from squall.shared.heartbeat import read_heartbeats
 from squall.shared.keys import GROUP_RUNNERS, GROUP_SCHEDULER, GROUP_TRAINER, Keys
@@ -314,6 +315,13 @@ def test_monitor_reads_the_whole_run(users):
         ("trajectories", "trainer"),
     }
     users["monitor"].xpending(K.tasks, GROUP_RUNNERS)
+    # the stall detectors (dashboard, `squall status`, and the scheduler's StallWatch) read with
+    # the monitor's and the scheduler's grants
+    bus.dead_letter(users["scheduler"], K.deadletter, source=K.tasks, entry_id="1-0", reason="bad", raw=b"")
+    stalls = snapshot(users["monitor"], K, Thresholds(deadletter_min=1))["stalls"]
+    assert [s["kind"] for s in stalls] == ["deadletters_rising"]
+    found = detect(users["scheduler"], K, Thresholds(deadletter_min=1))
+    assert [s.kind for s in found] == ["deadletters_rising"]
 
 
 # --- what each service must not do is refused --------------------------------------------------

@@ -38,7 +38,7 @@ def main(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     log = configure_logging("dashboard", config.run.name, level=config.run.log_level)
     r = connect(config.run.redis_url)  # never autostart: a dashboard watches an existing run
-    app = create_app(r, Keys(config.run.name), api_key=args.api_key)
+    app = create_app(r, Keys(config.run.name), api_key=args.api_key, config=config)
     log.info("dashboard_started", url=f"http://{args.host}:{args.port}/", redis=redact(config.run.redis_url))
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     log.info("dashboard_stopped")

@@ -108,8 +108,12 @@ def render(snap: runstate.RunSnapshot) -> dict[str, Any]:
     }
 
 
-def snapshot(r: redis.Redis, keys: Keys) -> dict[str, Any]:
-    """Read the run (and its tool pool) and render it: the dashboard's /api/state."""
+def snapshot(r: redis.Redis, keys: Keys, thresholds: Any = None) -> dict[str, Any]:
+    """Read the run (and its tool pool) and render it for the page; with `thresholds`
+    (monitor.stalls.Thresholds), the stalls found now too."""
     from squall.toolpool.summary import pool_summary
 
-    return {**render(runstate.read_snapshot(r, keys)), "tools": pool_summary(r, keys.run)}
+    from .stalls import detect
+
+    stalls = [s.fields() for s in detect(r, keys, thresholds)] if thresholds is not None else []
+    return {**render(runstate.read_snapshot(r, keys)), "tools": pool_summary(r, keys.run), "stalls": stalls}

@@ -2,7 +2,8 @@
 
 Ledger (attempts per state and the conservation check), stream lengths, per-group lag and
 pending counts (XINFO GROUPS), live runners and other processes (heartbeats), the trainer's
-and each inference node's weight version, open groups, and the recent rewards.
+and each inference node's weight version, open groups, the recent rewards, and the stalls found
+now (services/monitor/stalls.py), each on a `STALL` line under the run's name.
 """
 
 from __future__ import annotations
@@ -28,10 +29,13 @@ def _recent_rewards(snap: Any, count: int) -> list[dict[str, Any]]:
     return reward_points(points[-count:]) if count > 0 else []
 
 
-def collect(r: Any, run: str, rewards: int = 10) -> dict[str, Any]:
+def collect(r: Any, run: str, rewards: int = 10, config: Any = None) -> dict[str, Any]:
     """Everything `squall status` shows, as plain data: the run snapshot in its one JSON shape
-    (monitor/snapshot_json.py), plus the tool pool, live runners and the newest rewards."""
+    (monitor/snapshot_json.py), plus the tool pool, live runners, the newest rewards and the
+    stalls found now (monitor/stalls.py)."""
     from squall.monitor.snapshot_json import render as render_snapshot
+    from squall.monitor.stalls import detect, thresholds_for
+    from squall.shared.config import RunConfig
     from squall.shared.keys import Keys
     from squall.shared.runstate import read_snapshot
     from squall.toolpool.summary import pool_summary
@@ -41,6 +45,9 @@ def collect(r: Any, run: str, rewards: int = 10) -> dict[str, Any]:
         **render_snapshot(snap),
         "runners_alive": len(snap.alive("runner")),
         "recent_rewards": _recent_rewards(snap, rewards),
+        "stalls": [
+            s.fields() for s in detect(r, Keys(run), thresholds_for(r, Keys(run), config or RunConfig()))
+        ],
         "tools": pool_summary(r, run),
     }
 
@@ -48,6 +55,7 @@ def collect(r: Any, run: str, rewards: int = 10) -> dict[str, Any]:
 def render(status: dict[str, Any]) -> str:
     lines = [f"run {status['run']}"]
     lines += [f"WARNING    {w['message']}" for w in status.get("warnings", [])]
+    lines += [f"STALL      {s['kind']}: {s['message']}" for s in status.get("stalls", [])]
     ledger = status["ledger"]
     check = "OK" if ledger["balanced"] else "MISMATCH"
     states = "  ".join(f"{k}={v}" for k, v in sorted(ledger["counts"].items()))
@@ -106,6 +114,6 @@ def main(args: argparse.Namespace) -> int:
     client = find_run_for(args, config, "status")
     if client is None:
         return 2
-    status = collect(client, config.run.name, args.rewards)
+    status = collect(client, config.run.name, args.rewards, config)
     print(json.dumps(status, indent=2) if args.json else render(status))
     return 0 if status["ledger"]["balanced"] else 1

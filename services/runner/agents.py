@@ -40,6 +40,7 @@ class LLM:
     model: str  # the policy's model name
     api_key: str  # any non-empty string works; the URL identifies the attempt
     _root: str = ""  # base_url without /v1, for per-agent URLs
+    traceparent: str = ""  # W3C traceparent of the attempt's span (tracing on): an agent's own spans join it
     _emitted: list[float] = field(default_factory=list)
 
     def agent_url(self, name: str) -> str:
@@ -97,6 +98,7 @@ class CommandAgent:
             "OPENAI_BASE_URL": llm.base_url,
             "OPENAI_API_KEY": llm.api_key,
             "OPENAI_MODEL": llm.model,
+            **({"TRACEPARENT": llm.traceparent} if llm.traceparent else {}),
         }
         process = await asyncio.create_subprocess_shell(
             self.cmd,

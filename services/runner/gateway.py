@@ -30,7 +30,7 @@ import hashlib
 import random
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +58,8 @@ class Attempt:
     final_answer: str | None = None  # text of the last assistant message returned
     error: str | None = None  # a contract break seen by the gateway (fails the attempt)
     llm_s: float = 0.0  # seconds spent waiting for inference
+    call_starts: list[float] = field(default_factory=list)  # unix time each turn's call began (for tracing)
+    trace_parent: Callable[[int], str] | None = None  # tracing on: turn index -> `traceparent` sent upstream
     min_version: int = 0  # the task's min_version: nodes known to serve older weights come last
     seat_models: dict[str, str] = field(default_factory=dict)  # seat -> opponent model playing it
 
@@ -292,10 +294,11 @@ class Gateway:
                 base = sticky or self.pool.pick(tried, attempt.min_version)
                 attempt.node = base
                 self.pool.inflight[base] += 1
+            headers = {"content-type": "application/json"}
+            if attempt.trace_parent is not None:  # the call's span (tracking/otel.py): its spans join it
+                headers["traceparent"] = attempt.trace_parent(len(attempt.turns))
             try:
-                response = await self.client.post(
-                    f"{_v1(base)}/{route}", content=payload, headers={"content-type": "application/json"}
-                )
+                response = await self.client.post(f"{_v1(base)}/{route}", content=payload, headers=headers)
             except httpx.HTTPError as exc:
                 errors.append(f"{base}: {type(exc).__name__} {exc}".strip())
                 tried.add(base)
@@ -352,6 +355,7 @@ class Gateway:
                 raise ValueError(f"{len(ids)} token ids but {len(logprobs)} logprobs")
             if ids is None or logprobs is None:  # a frozen endpoint without both: text only
                 ids, logprobs = None, None  # the version stays when it said (a snapshot node)
+            attempt.call_starts.append(time.time() - latency)
             attempt.turns.append(
                 Turn(
                     agent=agent,

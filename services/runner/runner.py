@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+from prometheus_client import REGISTRY
 
 from squall.monitor.health import start_health_server
 from squall.monitor.metrics import standard_metrics
@@ -50,6 +51,7 @@ from squall.shared.ledger import FINISH_BY_STATUS, Ledger, lua_move_function, lu
 from squall.shared.logs import get_logger
 from squall.shared.retry import REDIS_ERRORS, RedisOutage
 from squall.shared.runwarnings import TRAIN_AGENT_UNUSED, RunWarning, record_once
+from squall.tracking.otel import attempt_ids, call_span_id, traceparent, tracer_for
 
 from .agents import LLM, CommandAgent, PythonAgent, load_callable, resolve_reward
 from .gateway import Gateway
@@ -113,6 +115,7 @@ class Runner:
             load_callable(self.section.reward_fn, "reward_fn") if self.section.reward_fn else None
         )
         self.gateway = Gateway(self.section, config.model.name)
+        self.tracer = tracer_for(config, "runner", metrics=REGISTRY)
         self._finish = r.register_script(_FINISH)
         self.heartbeat = HeartbeatWriter(r, self.keys, "runner", self.id, every_s=self.section.heartbeat_s)
         self.outage = RedisOutage(config.run.redis_url, config.run.redis_outage_s, log=self.log,
@@ -161,6 +164,9 @@ class Runner:
         await asyncio.gather(*loops, return_exceptions=True)
         await self.gateway.stop()
         health.close()
+        self.tracer.close()
+        if self.tracer.dropped:
+            self.log.warning("otel_spans_dropped", spans=self.tracer.dropped)
         if self.fatal is not None:
             raise self.fatal  # Redis is gone: no heartbeat to mark, no entry to hand back
         await asyncio.to_thread(self.heartbeat.stop, busy=0)
@@ -309,9 +315,14 @@ class Runner:
             return
         attempt = self.gateway.open(task.key, task.min_version)
         root = self.gateway.base_url(attempt.token).removesuffix("/v1")
+        trace_id, span_id = attempt_ids(self.keys.run, task.key)
         llm = LLM(
-            base_url=f"{root}/v1", model=self.config.model.name, api_key=f"squall-{attempt.token}", _root=root
-        )
+            base_url=f"{root}/v1", model=self.config.model.name, api_key=f"squall-{attempt.token}", _root=root,
+            traceparent=traceparent(trace_id, span_id) if self.tracer.enabled else "",
+        )  # fmt: skip
+        began = time.time()
+        if self.tracer.enabled:
+            attempt.trace_parent = lambda i: traceparent(trace_id, call_span_id(self.keys.run, task.key, i))
         status, reward, error = "ok", None, None
         agent_started = time.perf_counter()
         deadline = asyncio.timeout(remaining)
@@ -341,6 +352,7 @@ class Runner:
         timings = {"queue": max(0.0, taken - task.created_at), "agent": agent_s, "llm": attempt.llm_s}
         trajectory = self._trajectory(task, status, reward=reward, error=error, turns=attempt.turns,
                                       timings=timings, final_answer=attempt.final_answer)  # fmt: skip
+        self.tracer.attempt(trajectory, began, time.time(), attempt.call_starts)
         await self._publish(delivery, trajectory, taken)
 
     def _observe(self, trajectory: schemas.Trajectory, taken: float) -> None:

@@ -16,7 +16,11 @@ Parts (one module each; `Scheduler` below wires them, and none imports this modu
                 version the end round measures, waits for the nodes to serve it;
 - `control`     pause / resume / drain / limits from the `control` stream;
 - `trimming`    `Trimmer`: acknowledged `tasks`/`trajectories` entries, long-dead heartbeats;
-- `report`      events and reward points (`schemas.RewardPoint` on `rewards`).
+- `report`      events and reward points (`schemas.RewardPoint` on `rewards`);
+- `monitor.rollouts.RolloutKeeper`  a bounded sample of each version's attempts in the run
+                folder, for reading (and re-scoring) after `trajectories` is trimmed;
+- `monitor.stalls.StallWatch`  looks for stalls every `alerts.check_every_s` and writes
+                `stall` / `stall_cleared` events.
 
 The end of the data (shared/dataend.py): once the data ran out and every training group rolled
 out, the scheduler tells the trainer, which trains what it still holds (a last, smaller step)
@@ -54,6 +58,8 @@ from typing import TypeVar
 
 import redis
 
+from squall.monitor.rollouts import RolloutKeeper
+from squall.monitor.stalls import StallCollector, StallWatch, Thresholds
 from squall.shared import bus, dataend, schemas
 from squall.shared.config import RunConfig
 from squall.shared.heartbeat import HeartbeatWriter
@@ -104,6 +110,10 @@ class Scheduler:
         self.validation = validation.Validation(r, keys, section, self.dispatcher, self.log)
         self.ending = Ending(r, keys, section, self.log)
         self.trimmer = Trimmer(r, keys, section.trim_every_s, self.log)
+        self.keeper = RolloutKeeper(config.run.dir, section.keep_rollouts_per_version)
+        self.stalls = StallWatch(
+            r, keys, Thresholds.from_config(config), config.alerts.check_every_s, self.log
+        )
         self.cursor = Cursor()
         self.groups: dict[str, Group] = {}
         self._order: list[int] | None = None
@@ -272,6 +282,7 @@ class Scheduler:
             self.consumer.ack([delivery.entry_id])
             return
         self.counts["outcomes"] += 1
+        self.keeper.keep(traj, group.payload, delivery.entry_id)
         version = self.trainer_version() if outcome is Outcome.RETRY else group.version
         if self.outcomes.record(delivery, group, outcome, self.cursor, version):
             self.groups.pop(group.group_id, None)
@@ -329,6 +340,7 @@ class Scheduler:
             return False
         self._heartbeat(version)
         self.trimmer.maybe_trim()
+        self.stalls.maybe_check()
         # Entries still pending under our (shared) consumer name were left by a crash, by a
         # deposed leader that read them after losing the lead, or by an outage: handling is
         # idempotent.
@@ -344,6 +356,7 @@ class Scheduler:
         from squall.monitor.metrics import QueueCollector
 
         REGISTRY.register(QueueCollector(self.r, self.keys))
+        REGISTRY.register(StallCollector(self.r, self.keys, self.stalls.thresholds))
         health, self.metrics_port = start_health_server(self.section.metrics_host, self.section.metrics_port,
                                                         info=lambda: {"open_groups": len(self.groups)})  # fmt: skip
         try:

@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 import orjson
+from prometheus_client import REGISTRY
 
 from squall.monitor.metrics import standard_metrics
 from squall.shared import bus, dataend, schemas
@@ -50,6 +51,7 @@ from squall.shared.ledger import FilterReason, Ledger
 from squall.shared.logs import get_logger
 from squall.shared.redisconn import connect
 from squall.shared.retry import REDIS_ERRORS, RedisOutage
+from squall.tracking.otel import tracer_for
 
 from . import distributed
 from .backend import TrainerBackend, make_backend
@@ -106,6 +108,7 @@ class Trainer:
         self.dead_lettered = 0
         self.metrics_port = 0  # set by run(): where /metrics listens, announced in the heartbeat
         self.metrics = standard_metrics()
+        self.tracer = tracer_for(config, "trainer", metrics=REGISTRY)
         self.heartbeat = HeartbeatWriter(self.r, self.keys, "trainer", self.cfg.consumer, every_s=HEARTBEAT_S)
         self.outage = RedisOutage(
             config.run.redis_url, config.run.redis_outage_s, self.log,
@@ -212,9 +215,10 @@ class Trainer:
                                     open_groups=len(self.books.assembler.open), ready_groups=len(self.books.ready))  # fmt: skip
         except REDIS_ERRORS:
             pass  # exiting because Redis is gone: the log line below still says so
+        self.tracer.close()
         self.log.info("trainer_stopped", step=self.state.step, version=self.state.version,
                       dead_lettered=self.dead_lettered + self.consumer.dead_lettered,
-                      redis_outages=self.outage.outages)  # fmt: skip
+                      redis_outages=self.outage.outages, otel_spans_dropped=self.tracer.dropped)  # fmt: skip
 
     def _reached_max_steps(self) -> bool:
         return bool(self.cfg.max_steps) and self.state.step >= self.cfg.max_steps
@@ -274,19 +278,27 @@ class Trainer:
     def _step(self, decisions: list[GroupDecision], *, last: bool = False) -> None:
         wait_s = time.perf_counter() - self.wait_started
         samples, stats = self._samples(decisions)
-        train_start = time.perf_counter()
+        train_start, step_began = time.perf_counter(), time.time()
         metrics: dict[str, float] = {}
         if samples:
             metrics = self.backend.train_step(samples)
             self.state.step += 1
         train_s = time.perf_counter() - train_start
-        publish_start = time.perf_counter()
+        publish_start, trained_at = time.perf_counter(), time.time()
         bump = bool(samples) and (last or self.state.step % self.cfg.publish_every == 0)
         counts = self._commit(bump=bump)
         if bump:
             self.publisher.publish(self.state.version, self.state.step, self.backend.weights())
             self.publisher.prune()
         publish_s = time.perf_counter() - publish_start
+        if samples and self.tracer.enabled:
+            keys = [t.key for d in decisions for t in d.train]
+            version = self.state.version if bump else None
+            step_span = self.tracer.trainer_step(self.state.step, keys, step_began, trained_at, version)
+            if bump:
+                self.tracer.publication(
+                    self.state.version, self.state.step, trained_at, time.time(), step_span
+                )
         if samples:
             metrics.update(self._step_metrics(decisions, samples, stats, counts))
             metrics.update({
