@@ -21,8 +21,8 @@ from runner_helpers import Procs, dispatch
 from waiting import wait_for
 
 from squall.monitor.stalls import KINDS, StallCollector, StallWatch, Thresholds, detect
-from squall.scheduler.groups import Group
 from squall.monitor.status import collect, render
+from squall.scheduler.groups import Group
 from squall.shared import bus, schemas
 from squall.shared.config import RunConfig
 from squall.shared.keys import GROUP_RUNNERS, GROUP_TRAINER, Keys

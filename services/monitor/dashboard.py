@@ -26,8 +26,8 @@ from squall.monitor.metrics import QueueCollector
 from squall.shared.config import RunConfig
 from squall.shared.keys import Keys
 
-from .stalls import StallCollector, thresholds_for
 from .snapshot_json import snapshot
+from .stalls import StallCollector, thresholds_for
 from .trajectories import TrajectoryView, resolve_dirs
 from .viewer import add_viewer_routes
 
