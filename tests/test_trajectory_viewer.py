@@ -19,7 +19,7 @@ import pytest
 import redis
 from optional import installed, need
 from runner_helpers import SQUALL, Procs, write_jsonl
-from test_ops_dashboard import ARTIFACTS, CHROMIUM, CHROMIUM_FLAGS, _start_dashboard, _stop
+from test_monitor_dashboard import ARTIFACTS, CHROMIUM, CHROMIUM_FLAGS, _start_dashboard, _stop
 from waiting import wait_for
 
 from examples.calc.tasks import generate
