@@ -1,12 +1,12 @@
 # squall — the README names these targets.
 #   make demo   set up and run the main job (the calculator-agent demo) on embedded defaults
 #   make test   set up and run the test suite
-#   make bench  run the benchmarks;  make lint  ruff + mypy
+#   make bench  run every benchmark (CPU defaults; BENCHES=bus runs one);  make lint  ruff + mypy
 PYTHON ?= python3
 VENV ?= .venv
 # The CPU build of torch; override on GPU machines, e.g. TORCH="torch==2.13.0".
 TORCH ?= torch==2.13.0
-EXTRAS ?= ml,serve,data,dev,tools,track,ray
+EXTRAS ?= ml,data,dev,tools,track,ray
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.squall-installed
 
@@ -46,8 +46,11 @@ demo: setup
 	$(PY) -m examples.calc.tasks --out runs/calc-data --train 4000 --val 200 --seed 0
 	$(PY) -m squall.cli up --config examples/calc/demo.toml --minutes 12 $(DEMO_ARGS)
 
+# Every benchmark in benchmarks/, each with its CPU defaults, one after another (a failure stops
+# the run). `make bench BENCHES="bus runner"` runs a chosen few; each file's docstring gives its flags.
+BENCHES ?= $(sort $(basename $(notdir $(wildcard benchmarks/*.py))))
 bench: setup
-	$(PY) benchmarks/bus.py
+	@set -e; for b in $(BENCHES); do echo "== benchmarks/$$b.py"; $(PY) benchmarks/$$b.py; done
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -231,6 +231,7 @@ def decoded_key(fields) -> str | None:
         return None
 
 
+@pytest.mark.timeout(660)  # its own subprocess budget, past the suite-wide 300 s
 @pytest.mark.redis
 @pytest.mark.slow
 def test_up_runs_the_trainer_on_two_ranks(tmp_path, r, redis_url, run_name):

@@ -34,10 +34,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-follow", action="store_true", help="do not follow the weights stream (no Redis)"
     )
     parser.add_argument(
-        "--pin-version", type=int, metavar="K",
+        "--pin-version",
+        type=int,
+        metavar="K",
         help="serve exactly published weight version K and never another (a policy snapshot, "
         "e.g. a self-play opponent)",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--behind", type=int, metavar="N", help="serve the version N behind the newest published one"
     )

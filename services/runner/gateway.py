@@ -235,9 +235,10 @@ class Gateway:
             return _error(400, f"{problem}; build the URL with llm.agent_url(name)")
         if self.section.seats and agent != "main" and agent not in self.section.seats:
             return _error(
-                404, f"agent {agent!r} is not one of runner.seats {self.section.seats}; "
+                404,
+                f"agent {agent!r} is not one of runner.seats {self.section.seats}; "
                 "use one of those names in the agent URL, or add the seat",
-            )  # fmt: skip
+            )
         asked_model = str(body.get("model") or self.policy_model)
         model = attempt.seat_models.get(agent, asked_model)  # an opponent seat plays the opponent
         frozen_url = self.frozen.get(model)

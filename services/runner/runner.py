@@ -115,8 +115,9 @@ class Runner:
         self.gateway = Gateway(self.section, config.model.name)
         self._finish = r.register_script(_FINISH)
         self.heartbeat = HeartbeatWriter(r, self.keys, "runner", self.id, every_s=self.section.heartbeat_s)
-        self.outage = RedisOutage(config.run.redis_url, config.run.redis_outage_s, log=self.log,
-                                  on_outage=self._count_outage)  # fmt: skip
+        self.outage = RedisOutage(
+            config.run.redis_url, config.run.redis_outage_s, log=self.log, on_outage=self._count_outage
+        )
         self._outage_wait: asyncio.Future | None = None  # the one wait every loop shares
         self.fatal: RedisUnavailable | None = None  # Redis stayed away past the deadline
         self.seen_version = -1  # newest weight version seen in a trajectory's turns
@@ -144,14 +145,24 @@ class Runner:
             loop.add_signal_handler(sig, self.stopping.set)
         port = await self.gateway.start()
         health, metrics_port = start_health_server(
-            self.section.gateway_host, self.section.metrics_port, ready=lambda: not self.stopping.is_set(),
-            api_key=self.section.api_key, info=lambda: {"runner_id": self.id, "busy": len(self.running)},
-        )  # fmt: skip
+            self.section.gateway_host,
+            self.section.metrics_port,
+            ready=lambda: not self.stopping.is_set(),
+            api_key=self.section.api_key,
+            info=lambda: {"runner_id": self.id, "busy": len(self.running)},
+        )
         self.metrics_port = metrics_port
-        self.log.info("runner_started", agent=self.agent.spec, slots=self.section.concurrency, gateway_port=port,
-                      metrics_port=metrics_port)  # fmt: skip
-        loops = [asyncio.create_task(self._fatal_on_outage(loop()))
-                 for loop in (self._fetch_loop, self._lease_loop, self._heartbeat_loop)]  # fmt: skip
+        self.log.info(
+            "runner_started",
+            agent=self.agent.spec,
+            slots=self.section.concurrency,
+            gateway_port=port,
+            metrics_port=metrics_port,
+        )
+        loops = [
+            asyncio.create_task(self._fatal_on_outage(loop()))
+            for loop in (self._fetch_loop, self._lease_loop, self._heartbeat_loop)
+        ]
         await self.stopping.wait()
         started = time.monotonic()
         self.log.info("runner_stopping", in_flight=len(self.running), grace_s=self.section.grace_s)
@@ -282,17 +293,25 @@ class Runner:
 
     async def _heartbeat_once(self) -> None:
         await asyncio.to_thread(
-            self.heartbeat.beat, force=True, version=self.seen_version, metrics_port=self.metrics_port,
-            slots=self.section.concurrency, busy=len(self.running), gateway_port=self.gateway.port, **self.counts,
-        )  # fmt: skip
+            self.heartbeat.beat,
+            force=True,
+            version=self.seen_version,
+            metrics_port=self.metrics_port,
+            slots=self.section.concurrency,
+            busy=len(self.running),
+            gateway_port=self.gateway.port,
+            **self.counts,
+        )
 
     # --- one attempt ----------------------------------------------------------------------
     async def _attempt(self, delivery: bus.Delivery) -> None:
         task: schemas.Task = delivery.message
         taken = time.time()
         if delivery.deliveries > self.section.max_deliveries:
-            error = (f"delivered {delivery.deliveries} times without finishing (lease of {self.section.lease_s}s "
-                     "lapsed each time: runners died or hung on it); giving up on this attempt")  # fmt: skip
+            error = (
+                f"delivered {delivery.deliveries} times without finishing (lease of {self.section.lease_s}s "
+                "lapsed each time: runners died or hung on it); giving up on this attempt"
+            )
             await self._publish(delivery, self._trajectory(task, "failed", error=error), taken)
             return
         state = await self._call("attempt", self.ledger.state_of, task.key)
@@ -339,8 +358,15 @@ class Runner:
         agent_s = time.perf_counter() - agent_started
         self.gateway.close(attempt.token)
         timings = {"queue": max(0.0, taken - task.created_at), "agent": agent_s, "llm": attempt.llm_s}
-        trajectory = self._trajectory(task, status, reward=reward, error=error, turns=attempt.turns,
-                                      timings=timings, final_answer=attempt.final_answer)  # fmt: skip
+        trajectory = self._trajectory(
+            task,
+            status,
+            reward=reward,
+            error=error,
+            turns=attempt.turns,
+            timings=timings,
+            final_answer=attempt.final_answer,
+        )
         await self._publish(delivery, trajectory, taken)
 
     def _observe(self, trajectory: schemas.Trajectory, taken: float) -> None:
@@ -363,16 +389,21 @@ class Runner:
         """Record a `train_agents` entry that no call used, once per run; the runner whose record
         went in logs it (a Redis that refuses the record still gets it logged here)."""
         for name in self.train_watch.observe(turns):
-            warning = RunWarning(TRAIN_AGENT_UNUSED, name, self.train_watch.message(name),
-                                 time.time(), f"runner:{self.id}")  # fmt: skip
+            warning = RunWarning(
+                TRAIN_AGENT_UNUSED, name, self.train_watch.message(name), time.time(), f"runner:{self.id}"
+            )
             try:
                 first = await self._call("warnings", raise_once, self.r, self.keys, warning)
             except redis.RedisError as exc:
                 first = True
                 self.log.warning("warning_not_recorded", error=str(exc))
             if first:
-                self.log.warning("train_agent_unused", agent=name, attempts=self.train_watch.attempts,
-                                 message=warning.message)  # fmt: skip
+                self.log.warning(
+                    "train_agent_unused",
+                    agent=name,
+                    attempts=self.train_watch.attempts,
+                    message=warning.message,
+                )
 
     def _trajectory(self, task: schemas.Task, status: str, **fields: Any) -> schemas.Trajectory:
         return schemas.Trajectory(
@@ -415,9 +446,16 @@ class Runner:
         self._observe(trajectory, taken)
         await self._warn_unused_train_agents(trajectory.turns)
         level = self.log.info if trajectory.status == "ok" else self.log.warning
-        level("attempt_finished", task_id=trajectory.task_id, attempt=trajectory.attempt, status=trajectory.status,
-              reward=trajectory.reward, turns=len(trajectory.turns), error=trajectory.error,
-              seconds=round(time.time() - taken, 4))  # fmt: skip
+        level(
+            "attempt_finished",
+            task_id=trajectory.task_id,
+            attempt=trajectory.attempt,
+            status=trajectory.status,
+            reward=trajectory.reward,
+            turns=len(trajectory.turns),
+            error=trajectory.error,
+            seconds=round(time.time() - taken, 4),
+        )
 
 
 class _Pinger:

@@ -46,8 +46,10 @@ def _rewards(snap: Any, count: int) -> list[dict[str, Any]]:
     points = (
         sorted([*snap.train_rewards, *snap.val_rewards], key=lambda p: p.time)[-count:] if count > 0 else []
     )
-    return [{"version": p.version, "mode": p.mode, "mean": p.mean, "count": p.count, "group_id": p.group_id}
-            for p in points]  # fmt: skip
+    return [
+        {"version": p.version, "mode": p.mode, "mean": p.mean, "count": p.count, "group_id": p.group_id}
+        for p in points
+    ]
 
 
 def collect(r: Any, run: str, rewards: int = 10) -> dict[str, Any]:
@@ -109,9 +111,11 @@ def render(status: dict[str, Any]) -> str:
     )
     end = status.get("end") or {}
     if end.get("scheduler_at") is not None:
-        answer = "training what it holds" if end.get("trainer_version") is None else (
-            f"last version v{end['trainer_version']} (step {end['trainer_step']})"
-        )  # fmt: skip
+        answer = (
+            "training what it holds"
+            if end.get("trainer_version") is None
+            else (f"last version v{end['trainer_version']} (step {end['trainer_step']})")
+        )
         lines.append(f"end        data ran out ({end['samples']} samples); trainer: {answer}")
     lines.append("rewards    " + ("(none yet)" if not status["rewards"] else ""))
     for p in status["rewards"]:

@@ -272,11 +272,20 @@ def main(args: argparse.Namespace) -> int:
 
     folder = Path(args.folder)
     try:
-        run_file = scaffold(folder, name=args.name, model=args.model, train=args.train, val=args.val,
-                            seed=args.seed, force=args.force)  # fmt: skip
+        run_file = scaffold(
+            folder,
+            name=args.name,
+            model=args.model,
+            train=args.train,
+            val=args.val,
+            seed=args.seed,
+            force=args.force,
+        )
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
-    print(f"squall init: wrote {run_file}, {folder / 'agent.py'} and {args.train}+{args.val} problems in "
-          f"{folder / 'data'}\nnext:  cd {folder} && squall up --config run.toml")  # fmt: skip
+    print(
+        f"squall init: wrote {run_file}, {folder / 'agent.py'} and {args.train}+{args.val} problems in "
+        f"{folder / 'data'}\nnext:  cd {folder} && squall up --config run.toml"
+    )
     return 0

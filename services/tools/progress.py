@@ -58,8 +58,13 @@ def plot_curve(snap: dict[str, Any], path: Path, title: str = "squall: GRPO") ->
         means = [sum(by_version[x]) / len(by_version[x]) for x in xs]
         ax.plot(xs, means, label="train reward (mean of groups)", color="tab:blue", alpha=0.7)
     if snap["val"]:
-        ax.plot([p["version"] for p in snap["val"]], [p["mean"] for p in snap["val"]], "o-", label="validation reward",
-                color="tab:orange")  # fmt: skip
+        ax.plot(
+            [p["version"] for p in snap["val"]],
+            [p["mean"] for p in snap["val"]],
+            "o-",
+            label="validation reward",
+            color="tab:orange",
+        )
     ax.set_xlabel("policy version")
     ax.set_ylabel("reward")
     ax.set_ylim(-0.02, 1.02)

@@ -34,9 +34,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--inference-nodes", type=int, default=1, help="inference nodes (default 1)")
     parser.add_argument("--base-port", type=int, default=0, help="first inference port (default: free ports)")
     parser.add_argument(
-        "--trainer-ranks", type=int, default=1,
+        "--trainer-ranks",
+        type=int,
+        default=1,
         help="trainer ranks on this machine, FSDP-sharded through torchrun (default 1: one process)",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--minutes",
         type=float,
@@ -173,8 +175,11 @@ class Up:
         pinned = "".join(
             f", snapshot {name!r} (version {snapshots[name]}) at {url}" for name, url in snapshot_urls.items()
         )
-        print(f"squall up: run {self.keys.run!r} in {self.run_dir}: {len(urls)} inference node(s) at "
-              f"{', '.join(urls)}{pinned}, trainer, scheduler, {self.args.runners} runner(s); logs in {logs}", flush=True)  # fmt: skip
+        print(
+            f"squall up: run {self.keys.run!r} in {self.run_dir}: {len(urls)} inference node(s) at "
+            f"{', '.join(urls)}{pinned}, trainer, scheduler, {self.args.runners} runner(s); logs in {logs}",
+            flush=True,
+        )
 
     def _wait_healthy(self, urls: list[str]) -> None:
         import httpx
@@ -237,8 +242,11 @@ class Up:
         codes = stop_all([p for p in order if p.name != "track"], GRACE_S)
         codes.update(stop_all([p for p in order if p.name == "track"], GRACE_S))
         unclean = {name: code for name, code in codes.items() if code not in (0, None, -signal.SIGTERM)}
-        print(f"squall up: stopped {len(codes)} services ({self.reason or 'done'})"
-              + (f"; unclean exits: {unclean}" if unclean else ""), flush=True)  # fmt: skip
+        print(
+            f"squall up: stopped {len(codes)} services ({self.reason or 'done'})"
+            + (f"; unclean exits: {unclean}" if unclean else ""),
+            flush=True,
+        )
 
     # --- progress and report --------------------------------------------------------------
     def _snapshot(self) -> dict[str, Any]:
@@ -307,6 +315,8 @@ class Up:
         print(
             f"squall up: curve {png}, summary {self.run_dir / 'summary.json'}, ledger balanced={s['balanced']}"
         )
-        print(f"{self.args.label}: val_reward_start={fmt(summary['val_reward_start'])} "
-              f"val_reward_end={fmt(summary['val_reward_end'])} {measured_word(summary)} minutes={minutes:.1f}",
-              flush=True)  # fmt: skip
+        print(
+            f"{self.args.label}: val_reward_start={fmt(summary['val_reward_start'])} "
+            f"val_reward_end={fmt(summary['val_reward_end'])} {measured_word(summary)} minutes={minutes:.1f}",
+            flush=True,
+        )

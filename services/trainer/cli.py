@@ -19,8 +19,12 @@ EXIT_REDIS_UNAVAILABLE = 3  # Redis stayed down past run.redis_outage_s
 EXIT_BAD_WORLD = 2  # more ranks than GPUs, or a checkpoint written by another world size
 # Options the ranks get through their environment (torchrun would take `--run` after the
 # script name for its own `--run-path`; a Redis URL with a password stays out of argv).
-PASSED_IN_ENV = {"run": "SQUALL_RUN__NAME", "redis_url": "SQUALL_RUN__REDIS_URL",
-                 "backend": "SQUALL_TRAINER__BACKEND", "max_steps": "SQUALL_TRAINER__MAX_STEPS"}  # fmt: skip
+PASSED_IN_ENV = {
+    "run": "SQUALL_RUN__NAME",
+    "redis_url": "SQUALL_RUN__REDIS_URL",
+    "backend": "SQUALL_TRAINER__BACKEND",
+    "max_steps": "SQUALL_TRAINER__MAX_STEPS",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,8 +74,12 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
                 "--rdzv-endpoint HOST:PORT (node 0's address, the same on every node)"
             )
         # static rendezvous: node 0 holds global rank 0, the rank that owns the bus
-        command += [f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}", "--rdzv-backend=static",
-                    f"--rdzv-endpoint={args.rdzv_endpoint}"]  # fmt: skip
+        command += [
+            f"--nnodes={args.nnodes}",
+            f"--node-rank={args.node_rank}",
+            "--rdzv-backend=static",
+            f"--rdzv-endpoint={args.rdzv_endpoint}",
+        ]
     command += ["-m", "squall.cli", "trainer"]
     return command + (["--config", args.config] if args.config else [])
 

@@ -86,10 +86,14 @@ class Tools:
         queue = Queue(queue_name(self.run, tool), connection=self.r, serializer=serializer())
         try:
             job = queue.enqueue_call(
-                FUNCTIONS[tool], kwargs=args, timeout=max(1, min(s.job_timeout_s, math.ceil(deadline_s))),
-                result_ttl=s.result_ttl_s, failure_ttl=s.failure_ttl_s, ttl=math.ceil(deadline_s) + TTL_MARGIN_S,
+                FUNCTIONS[tool],
+                kwargs=args,
+                timeout=max(1, min(s.job_timeout_s, math.ceil(deadline_s))),
+                result_ttl=s.result_ttl_s,
+                failure_ttl=s.failure_ttl_s,
+                ttl=math.ceil(deadline_s) + TTL_MARGIN_S,
                 retry=Retry(max=s.retries) if s.retries else None,
-            )  # fmt: skip
+            )
         except (TypeError, ValueError) as exc:
             raise ToolError(f"arguments of {tool!r} must be JSON values: {exc}") from None
         return self._wait(job, tool, end, deadline_s)
@@ -104,20 +108,28 @@ class Tools:
             for _, entries in self.r.xread({key: last_id}, block=block) or ():
                 for entry_id, payload in entries:
                     last_id = entry_id
-                    result = Result.restore(job.id, entry_id.decode(), payload, connection=self.r,
-                                            serializer=serializer())  # fmt: skip
+                    result = Result.restore(
+                        job.id, entry_id.decode(), payload, connection=self.r, serializer=serializer()
+                    )
                     if result.type == Result.Type.SUCCESSFUL:
                         return result.return_value
-                    retrying = job.get_status(refresh=True) in (JobStatus.QUEUED, JobStatus.STARTED,
-                                                                JobStatus.SCHEDULED)  # fmt: skip
+                    retrying = job.get_status(refresh=True) in (
+                        JobStatus.QUEUED,
+                        JobStatus.STARTED,
+                        JobStatus.SCHEDULED,
+                    )
                     if not retrying:
                         raise ToolError(f"{tool}: {failure_reason(result.exc_string)}")
         status = self._give_up(job)
         if self._workers(tool) == 0:
-            raise ToolError(f"{tool}: no result within the deadline of {deadline_s:g} s (job {status}): no worker "
-                            f"serves this tool: start `squall worker --queues {tool}`")  # fmt: skip
-        raise ToolError(f"{tool}: no result within the deadline of {deadline_s:g} s (job {status}); "
-                        "the pool may be busy: check `squall status` or `rq info`")  # fmt: skip
+            raise ToolError(
+                f"{tool}: no result within the deadline of {deadline_s:g} s (job {status}): no worker "
+                f"serves this tool: start `squall worker --queues {tool}`"
+            )
+        raise ToolError(
+            f"{tool}: no result within the deadline of {deadline_s:g} s (job {status}); "
+            "the pool may be busy: check `squall status` or `rq info`"
+        )
 
     def _workers(self, tool: str) -> int:
         from rq import Queue, Worker
@@ -152,8 +164,9 @@ class Tools:
     def run_sql(self, sql: str, db: str = "default", deadline_s: float | None = None) -> dict[str, Any]:
         return self.call("sql", {"sql": sql, "db": db}, deadline_s)
 
-    def judge(self, kind: str, prediction: Any, reference: Any, db: str = "default",
-              deadline_s: float | None = None) -> dict[str, Any]:  # fmt: skip
+    def judge(
+        self, kind: str, prediction: Any, reference: Any, db: str = "default", deadline_s: float | None = None
+    ) -> dict[str, Any]:
         args = {"kind": kind, "prediction": prediction, "reference": reference, "db": db}
         return self.call("judge", args, deadline_s)
 
@@ -214,8 +227,9 @@ def run_sql(sql: str, db: str = "default", deadline_s: float | None = None) -> d
     return default_tools().run_sql(sql, db, deadline_s)
 
 
-def judge(kind: str, prediction: Any, reference: Any, db: str = "default",
-          deadline_s: float | None = None) -> dict[str, Any]:  # fmt: skip
+def judge(
+    kind: str, prediction: Any, reference: Any, db: str = "default", deadline_s: float | None = None
+) -> dict[str, Any]:
     """Score a prediction with a judge of the pool (exact, contains, number, f1, sql)."""
     return default_tools().judge(kind, prediction, reference, db, deadline_s)
 
@@ -236,10 +250,23 @@ async def arun_sql(sql: str, db: str = "default", deadline_s: float | None = Non
     return await _threaded(run_sql, sql, db, deadline_s)
 
 
-async def ajudge(kind: str, prediction: Any, reference: Any, db: str = "default",
-                 deadline_s: float | None = None) -> dict[str, Any]:  # fmt: skip
+async def ajudge(
+    kind: str, prediction: Any, reference: Any, db: str = "default", deadline_s: float | None = None
+) -> dict[str, Any]:
     return await _threaded(judge, kind, prediction, reference, db, deadline_s)
 
 
-__all__ = ["ToolError", "Tools", "HttpTools", "run_code", "search", "run_sql", "judge",
-           "arun_code", "asearch", "arun_sql", "ajudge", "default_tools"]  # fmt: skip
+__all__ = [
+    "ToolError",
+    "Tools",
+    "HttpTools",
+    "run_code",
+    "search",
+    "run_sql",
+    "judge",
+    "arun_code",
+    "asearch",
+    "arun_sql",
+    "ajudge",
+    "default_tools",
+]

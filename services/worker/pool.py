@@ -65,11 +65,17 @@ def work_one(config: RunConfig, tools: list[str], name: str | None = None, burst
     jobs.configure(settings)
     r = tell_rq_the_server_version(connect(config.run.redis_url, autostart=False))
     queues = [Queue(queue_name(config.run.name, t), connection=r, serializer=serializer()) for t in tools]
-    worker = _pool_worker_class()(queues, connection=r, name=name, serializer=serializer(),
-                    default_result_ttl=settings.result_ttl_s, maintenance_interval=settings.maintenance_s,
-                    job_monitoring_interval=settings.heartbeat_s,
-                    # a dead worker's entry (rq info, pool_summary) expires after this, not 420 s
-                    worker_ttl=max(30, 3 * max(settings.maintenance_s, settings.heartbeat_s) + 15))  # fmt: skip
+    worker = _pool_worker_class()(
+        queues,
+        connection=r,
+        name=name,
+        serializer=serializer(),
+        default_result_ttl=settings.result_ttl_s,
+        maintenance_interval=settings.maintenance_s,
+        job_monitoring_interval=settings.heartbeat_s,
+        # a dead worker's entry (rq info, pool_summary) expires after this, not 420 s
+        worker_ttl=max(30, 3 * max(settings.maintenance_s, settings.heartbeat_s) + 15),
+    )
     worker.work(burst=burst, logging_level=config.run.log_level, with_scheduler=False)
     return 0
 
@@ -106,8 +112,11 @@ class Supervisor:
                     continue
                 died_at.setdefault(slot, time.monotonic())
                 if time.monotonic() - died_at[slot] >= RESTART_PAUSE_S:
-                    print(f"squall worker: worker {slot} exited with {child.returncode}; restarting",
-                          file=sys.stderr, flush=True)  # fmt: skip
+                    print(
+                        f"squall worker: worker {slot} exited with {child.returncode}; restarting",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     self.children[slot] = self._spawn(slot)
                     self.restarts += 1
                     del died_at[slot]
