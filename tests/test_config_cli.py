@@ -55,6 +55,42 @@ def test_bad_values_name_the_field(tmp_path, text, env, field):
         load_config(path, env=env)
 
 
+def test_environment_overrides_every_kind_of_field_and_names_a_bad_variable():
+    env = {
+        "SQUALL_RUN__NAME": "envrun",
+        "SQUALL_SCHEDULER__SHUFFLE": "false",
+        "SQUALL_INFERENCE__SNAPSHOTS": '{"opponent": 0}',
+        "SQUALL_TRAINER__DEVICE": "123",  # a string field keeps a numeric-looking value as text
+        "SQUALL_WORKER_SLOT": "3",  # other SQUALL_ variables (no __) are not config
+    }
+    config = load_config(env=env)
+    assert (config.run.name, config.scheduler.shuffle) == ("envrun", False)
+    assert config.inference.snapshots == {"opponent": 0} and config.trainer.device == "123"
+    with pytest.raises(ConfigError, match="SQUALL_TRAINNER__LR: no config section 'trainner'"):
+        load_config(env={"SQUALL_TRAINNER__LR": "1"})
+    with pytest.raises(ConfigError, match="SQUALL_RUNNER__INFERENCE_URLS: 'http://a:1' is not valid JSON"):
+        load_config(env={"SQUALL_RUNNER__INFERENCE_URLS": "http://a:1"})
+
+
+@pytest.mark.parametrize(
+    ("section", "new"), [("scheduler", "max_dispatch_lag"), ("trainer", "max_sample_age")]
+)
+def test_the_old_max_staleness_still_loads_with_a_warning(tmp_path, section, new):
+    path = tmp_path / "run.toml"
+    path.write_text(f"[{section}]\nmax_staleness = 3\n")
+    with pytest.warns(
+        FutureWarning, match=rf"{section}\.max_staleness is deprecated: call it {section}\.{new}"
+    ):
+        config = load_config(path, env={})
+    assert getattr(getattr(config, section), new) == 3
+    env = {f"SQUALL_{section.upper()}__MAX_STALENESS": "5"}
+    with pytest.warns(FutureWarning):
+        assert getattr(getattr(load_config(env=env), section), new) == 5
+    path.write_text(f"[{section}]\nmax_staleness = 3\n{new} = 2\n")
+    with pytest.raises(ConfigError, match=f"give only {new}"):
+        load_config(path, env={})
+
+
 def test_unparseable_file_is_a_config_error(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text("[trainer\n")

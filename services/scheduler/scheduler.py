@@ -212,7 +212,7 @@ class Scheduler:
 
     @property
     def max_staleness(self) -> int:
-        return admission.staleness_limit(self.section.max_staleness, self.cursor.max_staleness)
+        return admission.staleness_limit(self.section.max_dispatch_lag, self.cursor.max_staleness)
 
     def admits(self, version: int) -> bool:
         """May one more training group go out now? (see admission.admits)"""

@@ -293,7 +293,7 @@ class Trainer:
             group.group_id,
             [m.trajectory for m in group.members],
             trainer_version=self.state.version,
-            max_staleness=self.cfg.max_staleness,
+            max_staleness=self.cfg.max_sample_age,
             overlong=self.cfg.overlong,
             max_seq_len=self.cfg.max_seq_len,
             advantage=self.cfg.advantage,
