@@ -153,3 +153,48 @@ def test_peek_prints_decoded_json(r, redis_url, run_name):
         SQUALL + ["peek", "nope", "--run", run_name, "--redis-url", redis_url], capture_output=True, text=True
     )
     assert bad.returncode == 2 and "known are" in bad.stderr
+
+
+def _parsed(module: str, argv: list[str]):
+    import argparse
+    import importlib
+
+    parser = argparse.ArgumentParser()
+    importlib.import_module(module).add_arguments(parser)
+    return parser, parser.parse_args(argv)
+
+
+def test_field_flags_set_their_fields_over_the_environment(tmp_path, monkeypatch):
+    from squall.shared.cliargs import config_from_args
+
+    monkeypatch.setenv("SQUALL_SCHEDULER__GROUP_SIZE", "4")
+    monkeypatch.setenv("SQUALL_SCHEDULER__EPOCHS", "3")
+    _, args = _parsed("squall.scheduler.cli", ["--group-size", "8", "--dataset", "d.jsonl"])
+    config = config_from_args(args)
+    assert (config.scheduler.group_size, config.scheduler.epochs, config.scheduler.dataset) == (
+        8,
+        3,
+        "d.jsonl",
+    )
+    argv = ["--no-follow", "--served-name", "pol", "--port", "8123", "--model", "/m", "--behind", "2"]
+    _, args = _parsed("squall.inference.cli", argv)
+    config = config_from_args(args)
+    assert config.inference.follow_weights is False and config.inference.model_name == "pol"
+    assert (config.inference.port, config.model.path, config.inference.behind_versions) == (8123, "/m", 2)
+    _, args = _parsed("squall.runner.cli", ["--inference-url", "http://a:1", "--inference-url", "http://b:2"])
+    assert config_from_args(args).runner.inference_urls == ["http://a:1", "http://b:2"]
+
+
+@pytest.mark.parametrize("module", ["squall.scheduler.cli", "squall.inference.cli", "squall.runner.cli"])
+def test_field_flag_help_shows_the_models_default(module):
+    from squall.shared.cliargs import FIELD_DEST, field_info
+
+    parser, _ = _parsed(module, [])
+    flags = [a for a in parser._actions if a.dest.startswith(FIELD_DEST)]
+    assert flags
+    for action in flags:
+        field = action.dest[len(FIELD_DEST) :]
+        default = field_info(field).get_default(call_default_factory=True)
+        assert f"({field}; default " in action.help, action.help
+        if default not in ("", [], {}, None):
+            assert f"default {default!r})" in action.help, action.help
