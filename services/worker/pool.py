@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from squall.shared.config import RunConfig
 from squall.worker import jobs
-from squall.worker.queues import queue_name, serializer, tell_rq_the_server_version
+from squall.worker.queues import queue_name, rq_connection, serializer
 
 PR_SET_PDEATHSIG = 1
 RESTART_PAUSE_S = 1.0  # before restarting a worker that died
@@ -34,12 +34,6 @@ def _pool_worker_class() -> type:
     class PoolWorker(Worker):
         """rq's forking Worker whose work horse dies with it: a worker killed with -9 leaves no
         horse (nor, through the sandbox's own PDEATHSIG, sandboxed code) running on."""
-
-        @property
-        def dequeue_timeout(self) -> int:
-            # rq blocks up to worker_ttl - 15 s (405 s) waiting for a job, and runs maintenance
-            # only between waits: an idle pool would leave a dead worker's job unfailed that long.
-            return max(1, min(int(self.maintenance_interval), self.worker_ttl - 15))
 
         def get_heartbeat_ttl(self, job, working_time: float = 0.0) -> int:  # type: ignore[no-untyped-def]
             # rq's own margin is a fixed 60 s: a dead worker's job would wait that long to be
@@ -63,7 +57,7 @@ def work_one(config: RunConfig, tools: list[str], name: str | None = None, burst
 
     settings = config.worker
     jobs.configure(settings)
-    r = tell_rq_the_server_version(connect(config.run.redis_url, autostart=False))
+    r = rq_connection(connect(config.run.redis_url, autostart=False))
     queues = [Queue(queue_name(config.run.name, t), connection=r, serializer=serializer()) for t in tools]
     worker = _pool_worker_class()(
         queues,
@@ -73,8 +67,10 @@ def work_one(config: RunConfig, tools: list[str], name: str | None = None, burst
         default_result_ttl=settings.result_ttl_s,
         maintenance_interval=settings.maintenance_s,
         job_monitoring_interval=settings.heartbeat_s,
-        # a dead worker's entry (rq info, pool_summary) expires after this, not 420 s
-        worker_ttl=max(30, 3 * max(settings.maintenance_s, settings.heartbeat_s) + 15),
+        # rq waits worker_ttl - 15 s for a job and runs maintenance only between waits, so an idle
+        # worker fails a dead worker's job within maintenance_s; its own entry (rq info,
+        # pool_summary) expires maintenance_s + 15 s after it died, not rq's 420 s.
+        worker_ttl=settings.maintenance_s + 15,
     )
     worker.work(burst=burst, logging_level=config.run.log_level, with_scheduler=False)
     return 0
