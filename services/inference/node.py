@@ -75,7 +75,8 @@ class InferenceNode:
             import torch
 
             torch.set_num_threads(section.torch_threads)
-        self.engine = engine = make_engine(self.config, self.model_dir)
+        # the adapters' rank is the trainer's: the one value inference takes from its section
+        self.engine = engine = make_engine(section, self.model_dir, lora_rank=self.config.trainer.lora_rank)
         await engine.start()
         follow_task = None
         redis_client = None

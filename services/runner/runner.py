@@ -29,6 +29,7 @@ runner's XAUTOCLAIM takes them), exit 0.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -56,6 +57,7 @@ from .gateway import Gateway
 from .trainwatch import TrainAgentsWatch
 
 READ_BLOCK_MS = 1000  # longest XREADGROUP block: how soon the fetch loop notices a stop
+FULL_WAIT_S = 1.0  # longest wait for a free slot when all are busy (also how soon it notices a stop)
 REDIS_RETRY_S = 1.0  # pause of a loop after a Redis command error (not an outage) before it retries
 
 # KEYS: tasks, trajectories, attempts, ledger. ARGV: group, consumer, entry id, trajectory
@@ -124,6 +126,7 @@ class Runner:
         self.train_watch = TrainAgentsWatch(self.section.train_agents, self.section.train_agents_check_after)
         self.running: dict[str, Running] = {}  # entry id -> attempt
         self.stopping = asyncio.Event()
+        self.slot_freed = asyncio.Event()  # set when an attempt ends: the fetch loop may read again
         self.counts = {
             "ok": 0,
             "failed": 0,
@@ -248,8 +251,10 @@ class Runner:
     async def _fetch_once(self) -> None:
         lease_ms = int(self.section.lease_s * 1000)
         free = self.section.concurrency - len(self.running)
-        if free <= 0:
-            await asyncio.sleep(0.005)
+        if free <= 0:  # every slot busy: wait for one to free up (or the deadline), never spin
+            self.slot_freed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.slot_freed.wait(), FULL_WAIT_S)
             return
         deliveries: list[bus.Delivery] = []
         if time.monotonic() - self._last_reclaim > self.section.lease_s / 2:
@@ -266,7 +271,11 @@ class Runner:
                 continue
             job = asyncio.create_task(self._fatal_on_outage(self._attempt(delivery)))
             self.running[delivery.entry_id] = Running(delivery.message, delivery.entry_id, job)
-            job.add_done_callback(lambda _, e=delivery.entry_id: self.running.pop(e, None))
+            job.add_done_callback(lambda _, e=delivery.entry_id: self._attempt_ended(e))
+
+    def _attempt_ended(self, entry_id: str) -> None:
+        self.running.pop(entry_id, None)
+        self.slot_freed.set()
 
     async def _lease_loop(self) -> None:
         while True:
