@@ -485,6 +485,10 @@ def _read_file(path: Path) -> dict[str, Any]:
             import yaml
 
             data = yaml.safe_load(text) or {}
+        elif path.suffix == ".json":  # what `squall up` writes for its services (up.py)
+            import json
+
+            data = json.loads(text)
         else:
             data = tomllib.loads(text)
     except Exception as exc:  # the parsers' own errors carry line numbers
@@ -553,9 +557,11 @@ def load_config(
     *,
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
+    base: Mapping[str, Any] | None = None,
 ) -> RunConfig:
-    """File (optional) <- environment overrides <- explicit overrides, validated."""
-    data = _read_file(Path(path)) if path else {}
+    """File (optional; or `base`, sections given in code) <- environment overrides <- explicit
+    overrides, validated."""
+    data = _read_file(Path(path)) if path else {name: dict(value) for name, value in (base or {}).items()}
     data = merge(data, _env_overrides(os.environ if env is None else env))
     if overrides:
         data = merge(data, overrides)
