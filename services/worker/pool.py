@@ -6,6 +6,13 @@ the configured result TTL and a short maintenance interval (abandoned jobs of a 
 are failed or retried within `maintenance_s`). `Supervisor` starts the children in their own
 process groups with PDEATHSIG, restarts one that dies (after a pause), and on SIGTERM passes
 it on (rq: finish the current job, then exit), waits `grace_s`, then SIGKILLs the groups.
+
+Why not rq's WorkerPool (rq 3.0): it builds each Worker with fixed arguments (no result TTL,
+maintenance or monitoring interval, worker TTL; always with the scheduler), never SIGKILLs a
+worker that does not stop, and forks the workers from the pool process, so nothing dies with a
+killed pool. Why PoolWorker still overrides two Worker methods: rq has no public setting for the
+60 s it adds to a job's heartbeat TTL (how late a dead worker's job is seen as abandoned), nor a
+hook that runs in the work horse before the job (where PDEATHSIG must be set).
 """
 
 from __future__ import annotations
