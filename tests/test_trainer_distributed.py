@@ -99,7 +99,7 @@ def test_sharded_checkpoint_resumes_the_same_updates(tmp_path):
 
 
 def launch_args(**given):
-    base = {"config": "run.toml", "run": None, "redis_url": None, "backend": None, "max_steps": 3,
+    base = {"config": "run.toml", "run": None, "redis_url": None, "field:trainer.backend": None, "field:trainer.max_steps": 3,
             "nproc_per_node": 2, "nnodes": 1, "node_rank": None, "rdzv_endpoint": None}  # fmt: skip
     return argparse.Namespace(**{**base, **given})
 

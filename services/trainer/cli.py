@@ -13,28 +13,16 @@ import os
 import sys
 from pathlib import Path
 
-from squall.shared.cliargs import add_common_arguments
+from squall.shared.cliargs import add_common_arguments, add_field_flag, field_flags
 
 EXIT_REDIS_UNAVAILABLE = 3  # Redis stayed down past run.redis_outage_s
 EXIT_BAD_WORLD = 2  # more ranks than GPUs, or a checkpoint written by another world size
-# Options the ranks get through their environment (torchrun would take `--run` after the
-# script name for its own `--run-path`; a Redis URL with a password stays out of argv).
-PASSED_IN_ENV = {
-    "run": "SQUALL_RUN__NAME",
-    "redis_url": "SQUALL_RUN__REDIS_URL",
-    "backend": "SQUALL_TRAINER__BACKEND",
-    "max_steps": "SQUALL_TRAINER__MAX_STEPS",
-}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser)
-    parser.add_argument(
-        "--backend", choices=["torch", "verl"], help="training backend (overrides trainer.backend)"
-    )
-    parser.add_argument(
-        "--max-steps", type=int, help="stop after this many optimizer steps (overrides trainer.max_steps)"
-    )
+    add_field_flag(parser, "--backend", "trainer.backend")
+    add_field_flag(parser, "--max-steps", "trainer.max_steps")
     launch = parser.add_argument_group("several ranks (torchrun: FSDP-sharded data parallel)")
     launch.add_argument("--nproc-per-node", type=int, metavar="N", help="ranks on this machine (one per GPU)")
     launch.add_argument("--nnodes", type=int, default=1, metavar="M", help="machines in the run (default 1)")
@@ -85,13 +73,14 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
 
 
 def rank_environment(args: argparse.Namespace) -> dict[str, str]:
-    """This process's environment plus the command-line overrides, for the ranks."""
-    given = {
-        env: str(getattr(args, dest))
-        for dest, env in PASSED_IN_ENV.items()
-        if getattr(args, dest) is not None
-    }
-    return {**os.environ, **given}
+    """This process's environment plus the command-line overrides, for the ranks: through the
+    environment (torchrun would take `--run` after the script name for its own `--run-path`;
+    a Redis URL with a password stays out of argv)."""
+    given = {"SQUALL_RUN__NAME": args.run, "SQUALL_RUN__REDIS_URL": args.redis_url}
+    for section, fields in field_flags(args).items():
+        for name, value in fields.items():
+            given[f"SQUALL_{section.upper()}__{name.upper()}"] = value
+    return {**os.environ, **{env: str(value) for env, value in given.items() if value is not None}}
 
 
 def rank_processes(pid: int) -> dict[int, int]:
@@ -129,7 +118,7 @@ def launch(args: argparse.Namespace) -> int:
     from .checkpoint import CheckpointStore
     from .distributed import check_devices
 
-    config = config_from_args(args, trainer={"backend": args.backend, "max_steps": args.max_steps})
+    config = config_from_args(args)
     check_devices(config.trainer.device, args.nproc_per_node)
     CheckpointStore.check_world_size(Path(config.run.dir) / "checkpoints", args.nproc_per_node * args.nnodes)
     proc = subprocess.Popen(
@@ -177,11 +166,11 @@ def ray_launch(args: argparse.Namespace) -> int:
     if args.nproc_per_node is not None:
         print("squall trainer: --ray starts the ranks itself: drop --nproc-per-node", file=sys.stderr)
         return EXIT_BAD_WORLD
-    config = config_from_args(args, trainer={"backend": args.backend, "max_steps": args.max_steps})
+    config = config_from_args(args)
     configure_logging("trainer", config.run.name, level=config.run.log_level)
     CheckpointStore.check_world_size(Path(config.run.dir) / "checkpoints", args.workers)
     try:
-        return launch_on_ray(config, args.backend, workers=args.workers, address=args.ray_address)
+        return launch_on_ray(config, config.trainer.backend, workers=args.workers, address=args.ray_address)
     except RayLaunchError as exc:
         print(f"squall trainer: {exc}", file=sys.stderr)
         return EXIT_BAD_WORLD
@@ -191,7 +180,7 @@ def run_rank(args: argparse.Namespace) -> int:
     from squall.shared.cliargs import config_from_args
     from squall.shared.logs import configure_logging
 
-    config = config_from_args(args, trainer={"backend": args.backend, "max_steps": args.max_steps})
+    config = config_from_args(args)
     configure_logging("trainer", config.run.name, level=config.run.log_level)
     import torch
 
