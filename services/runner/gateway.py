@@ -123,11 +123,14 @@ class Gateway:
         self._serve_task: asyncio.Task | None = None
 
     # --- attempts ------------------------------------------------------------------------
-    def open(self, key: str, min_version: int = 0) -> Attempt:
+    def open(self, key: str, min_version: int = 0, group_id: str | None = None) -> Attempt:
+        """A new attempt `key` of group `group_id` (default: read from the key, for callers
+        that have no Task at hand)."""
         attempt = Attempt(token=secrets.token_hex(12), key=key, min_version=min_version)
         section = self.section
         if section.opponent_fraction > 0:
-            seats = opponent_seats(section.seats, section.opponent_fraction, group_of(key))
+            group = group_id if group_id is not None else group_of(key)
+            seats = opponent_seats(section.seats, section.opponent_fraction, group)
             attempt.seat_models = dict.fromkeys(seats, section.opponent_model)
         self.attempts[attempt.token] = attempt
         return attempt

@@ -335,7 +335,7 @@ class Runner:
             error = f"deadline passed {-remaining:.1f}s before the attempt started (waited in the queue)"
             await self._publish(delivery, self._trajectory(task, "timeout", error=error), taken)
             return
-        attempt = self.gateway.open(task.key, task.min_version)
+        attempt = self.gateway.open(task.key, task.min_version, task.group_id)
         root = self.gateway.base_url(attempt.token).removesuffix("/v1")
         llm = LLM(
             base_url=f"{root}/v1", model=self.config.model.name, api_key=f"squall-{attempt.token}", _root=root
