@@ -26,7 +26,9 @@ $(STAMP): pyproject.toml $(LOCK)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q "$(TORCH)"
 	if [ -n "$(LOCK)" ]; then \
-	  $(PY) -m pip install -q -r $(LOCK) && $(PY) -m pip install -q --no-deps -e . ; \
+	  $(PY) -m pip install -q -r $(LOCK) && $(PY) -m pip install -q --no-deps -e . && \
+	  { $(PY) -m pip check >/dev/null || { $(PY) -m pip check; \
+	    echo "make setup: $(LOCK) does not satisfy pyproject.toml: run make lock" >&2; exit 1; }; } ; \
 	else $(PY) -m pip install -q -e ".[$(EXTRAS)]"; fi
 	touch $(STAMP)
 
