@@ -1,25 +1,46 @@
 # squall — the README names these targets.
 #   make demo   set up and run the main job (the calculator-agent demo) on embedded defaults
 #   make test   set up and run the test suite
-#   make bench  run the benchmarks;  make lint  ruff + mypy
+#   make bench  run every benchmark (CPU defaults; BENCHES=bus runs one);  make lint  ruff + mypy
 PYTHON ?= python3
+comma := ,
 VENV ?= .venv
 # The CPU build of torch; override on GPU machines, e.g. TORCH="torch==2.13.0".
 TORCH ?= torch==2.13.0
-EXTRAS ?= ml,serve,data,dev,tools,track,ray,otel
+EXTRAS ?= ml,data,dev,tools,track,ray,otel
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.squall-installed
+# Exact versions of everything `make setup` installs besides torch (EXTRAS' packages and their
+# dependencies), resolved by `make lock`. `make setup LOCK=` installs from pyproject's ranges instead.
+LOCK ?= requirements/lock-cpu.txt
+# Where uv finds torch's CPU wheel when it resolves the lock (pip finds it the same way, from
+# pip.conf); elsewhere e.g. LOCK_TORCH_SOURCE="--extra-index-url https://download.pytorch.org/whl/cpu".
+LOCK_TORCH_SOURCE ?= --find-links /opt/wheels
 
-.PHONY: setup test test-fast test-verl test-vllm demo bench lint clean browser
+.PHONY: setup test test-fast test-verl test-vllm demo bench lint clean browser lock
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	if [ -n "$(LOCK)" ]; then \
+	  $(PY) -m pip install -q -r $(LOCK) && $(PY) -m pip install -q --no-deps -e . && \
+	  { $(PY) -m pip check >/dev/null || { $(PY) -m pip check; \
+	    echo "make setup: $(LOCK) does not satisfy pyproject.toml: run make lock" >&2; exit 1; }; } ; \
+	else $(PY) -m pip install -q -e ".[$(EXTRAS)]"; fi
 	touch $(STAMP)
+
+# Re-resolve the lock to the newest versions pyproject.toml allows (commit the result once
+# `make test` passes on it). uv is installed into the venv for this only.
+lock:
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q uv
+	$(VENV)/bin/uv pip compile pyproject.toml --upgrade --python-version 3.11 \
+	  $(foreach e,$(subst $(comma), ,$(EXTRAS)),--extra $(e)) \
+	  $(LOCK_TORCH_SOURCE) --override requirements/overrides-cpu.txt --no-emit-package torch \
+	  -o requirements/lock-cpu.txt
 
 # pytest exits 5 when it collected no test: that must fail loudly, never pass. The run ends with
 # an "optional suites" section naming every optional suite that skipped, and why (tests/optional.py).
@@ -46,8 +67,11 @@ demo: setup
 	$(PY) -m examples.calc.tasks --out runs/calc-data --train 4000 --val 200 --seed 0
 	$(PY) -m squall.cli up --config examples/calc/demo.toml --minutes 12 $(DEMO_ARGS)
 
+# Every benchmark in benchmarks/, each with its CPU defaults, one after another (a failure stops
+# the run). `make bench BENCHES="bus runner"` runs a chosen few; each file's docstring gives its flags.
+BENCHES ?= $(sort $(basename $(notdir $(wildcard benchmarks/*.py))))
 bench: setup
-	$(PY) benchmarks/bus.py
+	@set -e; for b in $(BENCHES); do echo "== benchmarks/$$b.py"; $(PY) benchmarks/$$b.py; done
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -1,7 +1,7 @@
 """The whole loop's throughput and the async speed-up, measured in one call.
 
 `squall up` runs the same run twice (or once per value of `--staleness`): synchronous
-(`max_staleness = 0`: no rollout may start on weights older than the trainer's newest) and
+(`scheduler.max_dispatch_lag = 0`: no rollout may start on weights older than the trainer's newest) and
 with the configured staleness (rollouts go on while the trainer trains). Both runs get the
 same data, runners, model and device, and their own Redis keys on one Redis this script starts.
 
@@ -79,8 +79,8 @@ def run_once(args: argparse.Namespace, redis_url: str, staleness: int, root: Pat
         "SQUALL_RUN__DIR": str(root / name),
         "SQUALL_RUN__REDIS_URL": redis_url,
         "SQUALL_SCHEDULER__MAX_SAMPLES": str(args.samples),
-        "SQUALL_SCHEDULER__MAX_STALENESS": str(staleness),
-        "SQUALL_TRAINER__MAX_STALENESS": str(staleness),
+        "SQUALL_SCHEDULER__MAX_DISPATCH_LAG": str(staleness),
+        "SQUALL_TRAINER__MAX_SAMPLE_AGE": str(staleness),
         "SQUALL_SCHEDULER__VAL_EVERY": "0",  # throughput only: no validation rounds
         "SQUALL_SCHEDULER__VAL_AT_END": "false",
         "SQUALL_RUNNER__CONCURRENCY": str(args.concurrency),
@@ -154,7 +154,11 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=48, help="training problems per run")
     parser.add_argument("--runners", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=16, help="episodes in flight per runner")
-    parser.add_argument("--staleness", default="0,1", help="comma-separated max_staleness values, 0 first")
+    parser.add_argument(
+        "--staleness",
+        default="0,1",
+        help="comma-separated max_dispatch_lag (and max_sample_age) values, 0 first",
+    )
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()
     ensure_data(args.config)

@@ -96,7 +96,7 @@ def data_path(r, keys: Keys, config, vocab: int, pad_id: int) -> tuple[float, li
         seen += len(deliveries)
         for group in assembler.pop_complete():
             ready.append(decide_group(group.group_id, [m.trajectory for m in group.members], trainer_version=0,
-                                      max_staleness=cfg.max_staleness, overlong=cfg.overlong,
+                                      max_staleness=cfg.max_sample_age, overlong=cfg.overlong,
                                       max_seq_len=cfg.max_seq_len, advantage=cfg.advantage))  # fmt: skip
         while len(ready) >= cfg.groups_per_step:
             batch, ready = ready[: cfg.groups_per_step], ready[cfg.groups_per_step :]

@@ -7,23 +7,22 @@ Parts:
   `squall up`'s flags; returns an `UpResult` instead of exiting;
 - `init(folder)`: `squall init` (services/local/init.py).
 
-A config that is not a file is written to a private temporary YAML file for the run's
-services to read, exactly as they read a run file; SQUALL_<SECTION>__<FIELD> environment
-variables override it, as they override a file given to the command line.
+A config that is not a file is resolved here (environment variables over it, as over a run
+file) and handed to `Up` as it is; `Up` writes it into the run folder (mode 0600, removed at the
+end) for the run's services, which are separate processes, to read.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import os
-import shutil
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from squall.local.up import UpOptions
     from squall.shared.config import RunConfig
 
 
@@ -113,63 +112,45 @@ class UpResult:
         )
 
 
-def up_arguments(**options: Any) -> argparse.Namespace:
-    """`squall up`'s flags as a Namespace: the parser's defaults, then `options` (named as the
-    flags are, with underscores: runners=4, inference_nodes=2, minutes=5, keep=True, label=...)."""
-    from squall.local import up as up_command
+def up_options(**options: Any) -> UpOptions:
+    """`squall up`'s flags as UpOptions (named as the flags are, with underscores: runners=4,
+    inference_nodes=2, minutes=5, keep=True, label=...); an unknown one is a ConfigError."""
+    from squall.local.up import UpOptions
     from squall.shared.errors import ConfigError
 
-    parser = argparse.ArgumentParser(prog="squall up")
-    up_command.add_arguments(parser)
-    args = parser.parse_args([])
-    known = sorted(vars(args))
-    for name, value in options.items():
-        if name not in known or name in ("config", "run", "redis_url"):
-            raise ConfigError(
-                f"squall.up() has no option {name!r}; known: "
-                + ", ".join(k for k in known if k not in ("config", "run", "redis_url"))
-                + " (set the run name and Redis URL in the config's [run] section)"
-            )
-        setattr(args, name, value)
-    return args
+    known = [f.name for f in dataclasses.fields(UpOptions) if f.name != "config"]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ConfigError(
+            f"squall.up() has no option {unknown[0]!r}; known: {', '.join(sorted(known))} "
+            "(set the run name and Redis URL in the config's [run] section)"
+        )
+    chosen = UpOptions(**options)
+    if problem := chosen.problem():
+        raise ConfigError(f"squall.up(): {problem.replace('--trainer-ranks', 'trainer_ranks')}")
+    return chosen
 
 
 def up(source: Any, /, **options: Any) -> UpResult:
     """Run `squall up` on `source` (a run file's path, a dict of sections or a RunConfig) in this
     process: start Redis (when none answers), inference, trainer, scheduler and runners, print
     progress, stop them all in order, and return the result. Never calls sys.exit; Ctrl-C stops
-    the run cleanly and the result says so (exit_code 130)."""
+    the run cleanly and the result says so (exit_code 130). SQUALL_<SECTION>__<FIELD> environment
+    variables override the config, as they override a run file given to the command line."""
     from squall.local.up import Up
-    from squall.shared import redisconn
-    from squall.shared.cliargs import config_from_args
+    from squall.shared.config import load_config
+    from squall.shared.redisconn import owned_servers
 
-    args = up_arguments(**options)
-    private = None
-    servers_before = len(redisconn._started)
-    try:
-        if isinstance(source, (str, os.PathLike)):
-            args.config = os.fspath(source)
-        else:
-            private = Path(tempfile.mkdtemp(prefix="squall-up-"))  # mode 0700: the URL may hold a password
-            args.config = str(_write_config(config(source), private / "run.yaml"))
-        resolved = config_from_args(args)
-        runner = Up(resolved, args)
+    chosen = up_options(**options)
+    if isinstance(source, (str, os.PathLike)):
+        chosen.config = os.fspath(source)
+        resolved = load_config(chosen.config)
+    else:  # the services get the resolved config from a file Up writes into the run folder
+        resolved = load_config(None, base=config(source).model_dump(mode="json"))
+    with owned_servers():  # the command's embedded Redis dies with its process; ours with this call
+        runner = Up(resolved, chosen)
         code = runner.run()
-        return UpResult(code, runner.reason or "done", Path(resolved.run.dir), dict(runner.summary or {}))
-    finally:
-        # The command's embedded Redis dies with its process; ours must not outlive the call.
-        for server in redisconn._started[servers_before:]:
-            server.close()
-        del redisconn._started[servers_before:]
-        if private is not None:
-            shutil.rmtree(private, ignore_errors=True)
-
-
-def _write_config(cfg: RunConfig, path: Path) -> Path:
-    import yaml
-
-    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-    return path
+    return UpResult(code, runner.reason or "done", Path(resolved.run.dir), dict(runner.summary or {}))
 
 
 def init(folder: str | os.PathLike[str], **options: Any) -> Path:

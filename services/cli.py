@@ -3,6 +3,11 @@
 Nothing heavy is imported here: a subcommand's module is imported only once it is chosen,
 so `squall --help` answers fast.  A subcommand module provides
 `add_arguments(parser)` and `main(args) -> int`.
+
+A command whose optional libraries are missing stops with one line naming the extra to
+install (`squall.shared.extras`), never a traceback: NEEDS lists what each command imports
+before it can do anything, and a later ModuleNotFoundError for an optional library (one a
+config choice pulls in, e.g. pyarrow for a parquet dataset) is reported the same way.
 """
 
 from __future__ import annotations
@@ -52,6 +57,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# name -> optional libraries the command cannot start without (the extra comes from shared/extras.py).
+# `up` starts inference and the trainer as child processes, so it checks for them up front.
+NEEDS: dict[str, tuple[str, ...]] = {
+    "up": ("torch", "transformers", "safetensors"),
+    "trainer": ("torch", "transformers", "safetensors"),
+    "inference": ("torch", "transformers", "safetensors"),
+    "export": ("torch", "safetensors"),
+}
+
+
 def _available() -> dict[str, tuple[str, str]]:
     available = {}
     for name, (module, help_text) in COMMANDS.items():
@@ -80,10 +95,27 @@ def main(argv: list[str] | None = None) -> int:
         top.print_help()
         return 0
     args = top.parse_args(argv[:1])
-    module = importlib.import_module(commands[args.command][0])
-    parser = argparse.ArgumentParser(prog=f"squall {args.command}", description=commands[args.command][1])
+    return _run_command(args.command, commands[args.command], argv[1:])
+
+
+def _run_command(name: str, entry: tuple[str, str], argv: list[str]) -> int:
+    from squall.shared.extras import MissingExtra, install_hint, optional_module, require
+
+    module = importlib.import_module(entry[0])
+    parser = argparse.ArgumentParser(prog=f"squall {name}", description=entry[1])
     module.add_arguments(parser)
-    return int(module.main(parser.parse_args(argv[1:])) or 0)
+    parsed = parser.parse_args(argv)  # --help answers even when an extra is missing
+    try:
+        require(name, NEEDS.get(name, ()))
+        return int(module.main(parsed) or 0)
+    except MissingExtra as missing:
+        print(missing, file=sys.stderr)
+    except ModuleNotFoundError as error:
+        library = optional_module(error)
+        if library is None:
+            raise
+        print(install_hint(name, library), file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from squall.shared.errors import WeightsError
-from squall.shared.weightfiles import sha256_file
+from .errors import WeightsError
+from .weightfiles import sha256_file
 
 FORMAT_LORA = "lora"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

@@ -1,21 +1,26 @@
 """One validated config per run: a TOML or YAML file, overridable per service by
-environment variables ``SQUALL_<SECTION>__<FIELD>`` (e.g. ``SQUALL_TRAINER__LR=1e-5``).
+environment variables ``SQUALL_<SECTION>__<FIELD>`` (e.g. ``SQUALL_TRAINER__LR=1e-5``, read by
+pydantic-settings' EnvSettingsSource against the models, so a list or table field takes JSON).
 
-Every section is one pydantic model with a docstring per field and bounds; an unknown or
-bad value is a ConfigError naming the field (``trainer.lr: must be > 0, got -1``).
+Every section is one pydantic model with a docstring per field and bounds (the docstrings are
+the fields' descriptions: `use_attribute_docstrings`); an unknown or bad value is a ConfigError
+naming the field (``trainer.lr: must be > 0, got -1``). Renamed fields keep their old name as
+an alias that warns (RENAMED).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import tomllib
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_settings import EnvSettingsSource
+from pydantic_settings.exceptions import SettingsError
 
 from .errors import ConfigError
 from .keys import RUN_NAME_PATTERN
@@ -36,8 +41,40 @@ def agent_name_problem(name: object) -> str | None:
     return None
 
 
+# section -> old field name -> new name. The old name still loads, with a FutureWarning (shown
+# to users, unlike DeprecationWarning); giving both is an error.
+RENAMED: dict[str, dict[str, str]] = {
+    "scheduler": {"max_staleness": "max_dispatch_lag"},
+    "trainer": {"max_staleness": "max_sample_age"},
+}
+
+
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    # the config file's name of this section, for RENAMED (set by each section class)
+    section_name: ClassVar[str] = ""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_fields(cls, data: Any) -> Any:
+        renamed = RENAMED.get(cls.section_name, {})
+        if not isinstance(data, dict) or not renamed.keys() & data.keys():
+            return data
+        data = dict(data)
+        for old, new in renamed.items():
+            if old not in data:
+                continue
+            if new in data:
+                raise ValueError(
+                    f"{cls.section_name}.{old} is the old name of {cls.section_name}.{new}: give only {new}"
+                )
+            warnings.warn(
+                f"{cls.section_name}.{old} is deprecated: call it {cls.section_name}.{new} (same meaning)",
+                FutureWarning,
+                stacklevel=2,
+            )
+            data[new] = data.pop(old)
+        return data
 
 
 class RunSection(Section):
@@ -66,6 +103,8 @@ class ModelSection(Section):
 
 
 class SchedulerSection(Section):
+    section_name: ClassVar[str] = "scheduler"
+
     dataset: str = ""
     """Training data: a .jsonl or .parquet file of rows (verl-style rows supported)."""
     val_dataset: str = ""
@@ -80,8 +119,10 @@ class SchedulerSection(Section):
     """n: attempts per sample (the GRPO group)."""
     max_inflight_groups: int = Field(8, ge=1)
     """Backpressure: at most this many training groups dispatched and not yet complete."""
-    max_staleness: int = Field(1, ge=0)
-    """No task is dispatched more than this many versions behind the trainer."""
+    max_dispatch_lag: int = Field(1, ge=0)
+    """Dispatch pauses while an open training group was dispatched more than this many weight
+    versions before the trainer's newest (0: no rollout runs on weights older than the newest).
+    Was `max_staleness`."""
     max_attempts: int = Field(3, ge=1)
     """Tries per group member before it is dead-lettered."""
     task_timeout_s: float = Field(120.0, gt=0)
@@ -95,7 +136,7 @@ class SchedulerSection(Section):
     max_samples: int = Field(0, ge=0)
     """Stop after this many training samples (0: the whole dataset times epochs)."""
     hold_until_trained: bool = True
-    """A training group counts against max_inflight_groups and max_staleness until the trainer
+    """A training group counts against max_inflight_groups and max_dispatch_lag until the trainer
     has consumed it (ledger trained/filtered/late), not only until its rollouts finished; this
     is what keeps rollouts from outrunning a slow trainer. Turn off for rollout-only runs."""
     val_at_end: bool = True
@@ -203,6 +244,8 @@ class RunnerSection(Section):
 
 
 class TrainerSection(Section):
+    section_name: ClassVar[str] = "trainer"
+
     backend: Literal["torch", "verl"] = "torch"
     """Training backend."""
     device: str = "auto"
@@ -223,8 +266,9 @@ class TrainerSection(Section):
     """Normalise the loss per token of the batch or per trajectory."""
     kl_coef: float = Field(0.0, ge=0)
     """KL penalty to the frozen reference (0: no reference model)."""
-    max_staleness: int = Field(1, ge=0)
-    """Drop attempts older than this many versions when trained."""
+    max_sample_age: int = Field(1, ge=0)
+    """Filter out (ledger `stale`) an attempt whose oldest turn was sampled more than this many
+    weight versions before the version being trained. Was `max_staleness`."""
     overlong: Literal["mask", "drop", "keep"] = "mask"
     """Truncated responses: mask them out of the loss, drop the trajectory, or keep."""
     max_tokens_per_microbatch: int = Field(8192, ge=1)
@@ -475,6 +519,10 @@ def _read_file(path: Path) -> dict[str, Any]:
             import yaml
 
             data = yaml.safe_load(text) or {}
+        elif path.suffix == ".json":  # what `squall up` writes for its services (up.py)
+            import json
+
+            data = json.loads(text)
         else:
             data = tomllib.loads(text)
     except Exception as exc:  # the parsers' own errors carry line numbers
@@ -484,20 +532,38 @@ def _read_file(path: Path) -> dict[str, Any]:
     return data
 
 
-def _env_overrides(env: Mapping[str, str]) -> dict[str, dict[str, Any]]:
-    overrides: dict[str, dict[str, Any]] = {}
-    for name, raw in env.items():
-        if not name.startswith(ENV_PREFIX) or "__" not in name:
-            continue
-        section, _, field = name[len(ENV_PREFIX) :].lower().partition("__")
-        try:
-            value: Any = json.loads(raw)  # numbers, booleans, lists, tables
-            if isinstance(value, (int, float, bool)) and raw.strip() != raw:
-                value = raw
-        except json.JSONDecodeError:
-            value = raw
-        overrides.setdefault(section, {})[field] = value
-    return overrides
+def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
+    """`SQUALL_<SECTION>__<FIELD>` variables as nested sections (pydantic-settings' reading:
+    scalars stay strings for pydantic to validate, list and table fields are parsed as JSON)."""
+    ours = {
+        name: value for name, value in env.items() if name.upper().startswith(ENV_PREFIX) and "__" in name
+    }
+    sections = set(RunConfig.model_fields)
+    for name in ours:
+        section = name[len(ENV_PREFIX) :].split("__", 1)[0].lower()
+        if section not in sections:
+            raise ConfigError(
+                f"environment variable {name}: no config section {section!r} (sections: {sorted(sections)})"
+            )
+    source = EnvSettingsSource(
+        RunConfig,  # type: ignore[arg-type]  # reads only the fields and their types
+        case_sensitive=False,
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter="__",
+    )
+    try:
+        source.env_vars = {name.lower(): value for name, value in ours.items()}
+        return source()
+    except SettingsError:
+        for name, value in ours.items():  # name the variable that does not parse
+            source.env_vars = {name.lower(): value}
+            try:
+                source()
+            except SettingsError:
+                raise ConfigError(
+                    f"environment variable {name}: {value!r} is not valid JSON (list and table fields take JSON)"
+                ) from None
+        raise
 
 
 def _format_errors(exc: ValidationError, source: str) -> str:
@@ -525,9 +591,11 @@ def load_config(
     *,
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
+    base: Mapping[str, Any] | None = None,
 ) -> RunConfig:
-    """File (optional) <- environment overrides <- explicit overrides, validated."""
-    data = _read_file(Path(path)) if path else {}
+    """File (optional; or `base`, sections given in code) <- environment overrides <- explicit
+    overrides, validated."""
+    data = _read_file(Path(path)) if path else {name: dict(value) for name, value in (base or {}).items()}
     data = merge(data, _env_overrides(os.environ if env is None else env))
     if overrides:
         data = merge(data, overrides)

@@ -60,11 +60,13 @@ def _number(raw: dict[Any, Any], name: str, kind: type) -> Any:
 def read(r: Any, keys: Keys) -> DataEnd:
     raw = r.hgetall(keys.data_end) or {}
     return DataEnd(
-        scheduler_at=_number(raw, "scheduler_at", float), samples=_number(raw, "samples", int),
-        trainer_version=_number(raw, "trainer_version", int), trainer_step=_number(raw, "trainer_step", int),
+        scheduler_at=_number(raw, "scheduler_at", float),
+        samples=_number(raw, "samples", int),
+        trainer_version=_number(raw, "trainer_version", int),
+        trainer_step=_number(raw, "trainer_step", int),
         trainer_at=_number(raw, "trainer_at", float),
         unconfirmed_version=_number(raw, "unconfirmed_version", int),
-    )  # fmt: skip
+    )
 
 
 def announce_data_end(r: Any, keys: Keys, samples: int) -> bool:

@@ -39,9 +39,14 @@ class HeartbeatWriter:
     def build(self, *, version: int = -1, metrics_port: int = 0, **stats: float) -> schemas.Heartbeat:
         self.said = {"version": version, "metrics_port": metrics_port, **stats}
         return schemas.Heartbeat(
-            run=self.keys.run, service=self.service, instance=self.instance, pid=os.getpid(),
-            version=version, metrics_port=metrics_port, stats={k: float(v) for k, v in stats.items()},
-        )  # fmt: skip
+            run=self.keys.run,
+            service=self.service,
+            instance=self.instance,
+            pid=os.getpid(),
+            version=version,
+            metrics_port=metrics_port,
+            stats={k: float(v) for k, v in stats.items()},
+        )
 
     def _stopped_beat(self, stats: dict[str, float]) -> bytes:
         said = {**self.said, **stats}

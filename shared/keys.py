@@ -1,7 +1,8 @@
 """Every Redis key, stream and consumer-group name squall uses.
 
 All keys of one run live under ``squall:{run}:`` so several runs share one Redis.
-This module is the only place a name is spelled; README's streams table mirrors it.
+This module is the only place a name is spelled; README's streams table mirrors it
+(tests/test_docs.py fails when a key or a field named here is missing from that table).
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ class Keys:
 
     @property
     def attempts(self) -> str:
-        """Hash: `task_id:attempt` -> current state of that attempt (the ledger's detail)."""
+        """Hash: `task_id#attempt` -> current state of that attempt (the ledger's detail)."""
         return self.key_for("attempts")
 
     @property
@@ -121,7 +122,7 @@ class Keys:
 
     @property
     def versions(self) -> str:
-        """Hash: `trainer` and `inference:<node>` -> weight version they hold."""
+        """Hash: `trainer`, `inference:<node>` and `snapshot:<node>` (a pinned node) -> weight version they hold."""
         return self.key_for("versions")
 
     @property

@@ -140,14 +140,21 @@ class LocalRedis:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = [
             find_server_binary(),
-            "--port", str(self.port),
-            "--bind", "127.0.0.1",
-            "--save", "",
-            "--appendonly", "yes" if self.aof else "no",
-            "--appendfsync", "everysec",
-            "--dir", str(self.data_dir),
-            "--protected-mode", "yes",
-        ]  # fmt: skip
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if self.aof else "no",
+            "--appendfsync",
+            "everysec",
+            "--dir",
+            str(self.data_dir),
+            "--protected-mode",
+            "yes",
+        ]
         preexec = _die_with_parent if sys.platform.startswith("linux") else None
         self.process = subprocess.Popen(
             args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=preexec
@@ -166,8 +173,9 @@ class LocalRedis:
         assert self.process is not None
         command = sys.argv[1:] if Path(sys.argv[0]).name in ("squall", "cli.py") else sys.argv
         owner = " ".join(["squall", *command] if command is not sys.argv else command)[:300]
-        record = RecordedServer(url=self.url, pid=self.process.pid, owner_pid=os.getpid(),
-                                owner=owner, started_at=time.time())  # fmt: skip
+        record = RecordedServer(
+            url=self.url, pid=self.process.pid, owner_pid=os.getpid(), owner=owner, started_at=time.time()
+        )
         try:
             self._record_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             tmp = self._record_path.with_suffix(".tmp")

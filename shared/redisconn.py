@@ -3,7 +3,9 @@ and starting a local server when none answers at a local URL and the caller allo
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from urllib.parse import urlparse
 
 import redis
@@ -16,6 +18,19 @@ SOCKET_TIMEOUT_S = 30.0  # must exceed the longest blocking read (XREADGROUP BLO
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
 
 _started: list[LocalRedis] = []
+
+
+@contextlib.contextmanager
+def owned_servers() -> Iterator[None]:
+    """Local servers `connect(..., autostart=True)` starts inside the block are stopped when it
+    ends (a caller in a long-lived process, e.g. `squall.up()`, must not leave them running)."""
+    before = len(_started)
+    try:
+        yield
+    finally:
+        for server in _started[before:]:
+            server.close()
+        del _started[before:]
 
 
 def redact(url: str) -> str:

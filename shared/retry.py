@@ -44,8 +44,14 @@ class RedisOutage:
         if self.on_outage is not None:
             self.on_outage()
         if self.log is not None:
-            self.log.warning("redis_outage", where=where, error=str(error), url=redact(self.url),
-                             deadline_s=self.deadline_s, outages=self.outages)  # fmt: skip
+            self.log.warning(
+                "redis_outage",
+                where=where,
+                error=str(error),
+                url=redact(self.url),
+                deadline_s=self.deadline_s,
+                outages=self.outages,
+            )
         self.started = time.monotonic()
         return self.started + self.deadline_s
 
@@ -57,8 +63,13 @@ class RedisOutage:
 
     def _back(self, where: str) -> None:
         if self.log is not None:
-            self.log.info("redis_back", where=where, down_s=round(time.monotonic() - self.started, 3),
-                          retries=self.retries, outages=self.outages)  # fmt: skip
+            self.log.info(
+                "redis_back",
+                where=where,
+                down_s=round(time.monotonic() - self.started, 3),
+                retries=self.retries,
+                outages=self.outages,
+            )
 
     def _ping_failed(self, end: float, pause: float, last: BaseException | None) -> float:
         """Count a ping that found Redis down; the next pause, or RedisUnavailable past `end`."""

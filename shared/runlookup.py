@@ -44,8 +44,16 @@ class Found:
 
 def run_keys(keys: Keys) -> list[str]:
     """The run's fixed keys: every stream and hash some service writes."""
-    hashes = (keys.config, keys.ledger, keys.attempts, keys.scheduler_state, keys.groups, keys.heartbeats,
-              keys.versions, keys.warnings)  # fmt: skip
+    hashes = (
+        keys.config,
+        keys.ledger,
+        keys.attempts,
+        keys.scheduler_state,
+        keys.groups,
+        keys.heartbeats,
+        keys.versions,
+        keys.warnings,
+    )
     return [*keys.stream_names().values(), *hashes]
 
 

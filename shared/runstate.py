@@ -219,10 +219,13 @@ def read_ledger(r: redis.Redis, keys: Keys) -> LedgerState:
 def _group_state(stream: str, info: dict[Any, Any]) -> GroupState:
     lag = info.get("lag")
     return GroupState(
-        stream=stream, group=_text(info["name"]), lag=int(lag) if lag is not None else None,
-        pending=int(info["pending"]), consumers=int(info["consumers"]),
+        stream=stream,
+        group=_text(info["name"]),
+        lag=int(lag) if lag is not None else None,
+        pending=int(info["pending"]),
+        consumers=int(info["consumers"]),
         last_delivered=_text(info.get("last-delivered-id", "")),
-    )  # fmt: skip
+    )
 
 
 def read_streams(r: redis.Redis, keys: Keys) -> dict[str, StreamState]:

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from squall.shared.errors import WeightsError
+from .errors import WeightsError
 
 HASH_CHUNK = 1 << 22  # bytes read at a time while hashing: bounded memory for multi-GB files
 WEIGHTS_FILE = "model.safetensors"  # the single-file layout

@@ -55,6 +55,42 @@ def test_bad_values_name_the_field(tmp_path, text, env, field):
         load_config(path, env=env)
 
 
+def test_environment_overrides_every_kind_of_field_and_names_a_bad_variable():
+    env = {
+        "SQUALL_RUN__NAME": "envrun",
+        "SQUALL_SCHEDULER__SHUFFLE": "false",
+        "SQUALL_INFERENCE__SNAPSHOTS": '{"opponent": 0}',
+        "SQUALL_TRAINER__DEVICE": "123",  # a string field keeps a numeric-looking value as text
+        "SQUALL_WORKER_SLOT": "3",  # other SQUALL_ variables (no __) are not config
+    }
+    config = load_config(env=env)
+    assert (config.run.name, config.scheduler.shuffle) == ("envrun", False)
+    assert config.inference.snapshots == {"opponent": 0} and config.trainer.device == "123"
+    with pytest.raises(ConfigError, match="SQUALL_TRAINNER__LR: no config section 'trainner'"):
+        load_config(env={"SQUALL_TRAINNER__LR": "1"})
+    with pytest.raises(ConfigError, match="SQUALL_RUNNER__INFERENCE_URLS: 'http://a:1' is not valid JSON"):
+        load_config(env={"SQUALL_RUNNER__INFERENCE_URLS": "http://a:1"})
+
+
+@pytest.mark.parametrize(
+    ("section", "new"), [("scheduler", "max_dispatch_lag"), ("trainer", "max_sample_age")]
+)
+def test_the_old_max_staleness_still_loads_with_a_warning(tmp_path, section, new):
+    path = tmp_path / "run.toml"
+    path.write_text(f"[{section}]\nmax_staleness = 3\n")
+    with pytest.warns(
+        FutureWarning, match=rf"{section}\.max_staleness is deprecated: call it {section}\.{new}"
+    ):
+        config = load_config(path, env={})
+    assert getattr(getattr(config, section), new) == 3
+    env = {f"SQUALL_{section.upper()}__MAX_STALENESS": "5"}
+    with pytest.warns(FutureWarning):
+        assert getattr(getattr(load_config(env=env), section), new) == 5
+    path.write_text(f"[{section}]\nmax_staleness = 3\n{new} = 2\n")
+    with pytest.raises(ConfigError, match=f"give only {new}"):
+        load_config(path, env={})
+
+
 def test_unparseable_file_is_a_config_error(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text("[trainer\n")
@@ -117,3 +153,48 @@ def test_peek_prints_decoded_json(r, redis_url, run_name):
         SQUALL + ["peek", "nope", "--run", run_name, "--redis-url", redis_url], capture_output=True, text=True
     )
     assert bad.returncode == 2 and "known are" in bad.stderr
+
+
+def _parsed(module: str, argv: list[str]):
+    import argparse
+    import importlib
+
+    parser = argparse.ArgumentParser()
+    importlib.import_module(module).add_arguments(parser)
+    return parser, parser.parse_args(argv)
+
+
+def test_field_flags_set_their_fields_over_the_environment(tmp_path, monkeypatch):
+    from squall.shared.cliargs import config_from_args
+
+    monkeypatch.setenv("SQUALL_SCHEDULER__GROUP_SIZE", "4")
+    monkeypatch.setenv("SQUALL_SCHEDULER__EPOCHS", "3")
+    _, args = _parsed("squall.scheduler.cli", ["--group-size", "8", "--dataset", "d.jsonl"])
+    config = config_from_args(args)
+    assert (config.scheduler.group_size, config.scheduler.epochs, config.scheduler.dataset) == (
+        8,
+        3,
+        "d.jsonl",
+    )
+    argv = ["--no-follow", "--served-name", "pol", "--port", "8123", "--model", "/m", "--behind", "2"]
+    _, args = _parsed("squall.inference.cli", argv)
+    config = config_from_args(args)
+    assert config.inference.follow_weights is False and config.inference.model_name == "pol"
+    assert (config.inference.port, config.model.path, config.inference.behind_versions) == (8123, "/m", 2)
+    _, args = _parsed("squall.runner.cli", ["--inference-url", "http://a:1", "--inference-url", "http://b:2"])
+    assert config_from_args(args).runner.inference_urls == ["http://a:1", "http://b:2"]
+
+
+@pytest.mark.parametrize("module", ["squall.scheduler.cli", "squall.inference.cli", "squall.runner.cli"])
+def test_field_flag_help_shows_the_models_default(module):
+    from squall.shared.cliargs import FIELD_DEST, field_info
+
+    parser, _ = _parsed(module, [])
+    flags = [a for a in parser._actions if a.dest.startswith(FIELD_DEST)]
+    assert flags
+    for action in flags:
+        field = action.dest[len(FIELD_DEST) :]
+        default = field_info(field).get_default(call_default_factory=True)
+        assert f"({field}; default " in action.help, action.help
+        if default not in ("", [], {}, None):
+            assert f"default {default!r})" in action.help, action.help

@@ -29,6 +29,7 @@ def leftover_processes(marker: str) -> list[str]:
     return [line for line in out.splitlines() if marker in line and "ps -eo" not in line]
 
 
+@pytest.mark.timeout(780)  # its own subprocess budget, past the suite-wide 300 s
 @pytest.mark.skipif(not (POLICY / "config.json").exists(), reason="the demo policy is not built")
 def test_short_demo_learns_and_shuts_down_cleanly(tmp_path):
     data = tmp_path / "data"

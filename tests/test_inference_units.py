@@ -133,7 +133,7 @@ def test_unknown_backend_is_named_with_the_known_ones():
     config = load_config(env={})
     object.__setattr__(config.inference, "backend", "tensorrt")  # past the config's own check
     with pytest.raises(ValueError, match="unknown inference backend 'tensorrt'; known backends: torch, vllm"):
-        make_engine(config, "/nonexistent")
+        make_engine(config.inference, "/nonexistent")
 
 
 # --- response rendering (render.py), without a server --------------------------------------

@@ -415,3 +415,44 @@ def test_acl_command_writes_usable_files_for_tls(tmp_path):
     assert url.startswith("rediss://squall-runner:") and url.endswith("@redis.internal:6380/0")
     assert _env(written["runner"])["SQUALL_RUN__NAME"] == "demo"
     assert os.stat(written["acl"]).st_mode & 0o077 == 0
+
+
+@pytest.mark.parametrize("xdg", [True, False])
+def test_default_out_is_outside_the_checkout_and_private(tmp_path, xdg):
+    """Without --out the secrets go to $XDG_CONFIG_HOME/squall/secrets/RUN (else ~/.config/...),
+    never into the checkout; the folder is 0700 and every file 0600."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "XDG_CONFIG_HOME"}
+    env["HOME"] = str(home)
+    if xdg:
+        env["XDG_CONFIG_HOME"] = str(tmp_path / "xdg")
+    repo = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-m", "squall.cli", "acl", "--run", RUN],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    want = (tmp_path / "xdg" if xdg else home / ".config") / "squall" / "secrets" / RUN
+    assert str(want) in done.stderr
+    assert stat.S_IMODE(want.stat().st_mode) == 0o700
+    files = sorted(p.name for p in want.iterdir())
+    assert files == sorted([acl.ACL_FILE, *(f"{name}.env" for name in (*acl.SERVICES, acl.ADMIN_USER))])
+    for path in want.iterdir():
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    assert not (repo / "deploy" / "secrets").exists() or not any((repo / "deploy" / "secrets").iterdir())
+
+
+def test_secret_folders_inside_the_checkout_are_git_ignored():
+    repo = Path(__file__).resolve().parents[1]
+    paths = ["deploy/secrets/runner.env", "deploy/containers/secrets/users.acl"]
+    done = subprocess.run(
+        ["git", "check-ignore", *paths], cwd=repo, capture_output=True, text=True, timeout=30
+    )
+    if done.returncode == 128:
+        pytest.skip(f"not a git checkout: {done.stderr.strip()}")
+    assert done.stdout.split() == paths

@@ -47,6 +47,7 @@ def shutdown(r: redis.Redis) -> None:
         pass
 
 
+@pytest.mark.timeout(900)  # its own subprocess budget, past the suite-wide 300 s
 @pytest.mark.skipif(not (POLICY / "config.json").exists(), reason="the demo policy is not built")
 def test_run_rides_through_a_redis_restart(tmp_path):
     data = tmp_path / "data"

@@ -200,6 +200,7 @@ def test_the_trainer_trains_what_it_holds_when_the_data_ends(
     assert beat["stopped"] > 0 and beat["open_groups"] == 0 and beat["ready_groups"] == 0
 
 
+@pytest.mark.timeout(720)  # its own subprocess budget, past the suite-wide 300 s
 @pytest.mark.slow
 @pytest.mark.skipif(not (POLICY / "config.json").exists(), reason="the demo policy is not built")
 def test_up_trains_the_last_partial_step_and_validates_the_final_version(tmp_path, r, redis_url, run_name):

@@ -51,7 +51,7 @@ def procs(redis_url, run_name, tmp_path):
 
 def test_admission_bounds_inflight_groups_and_staleness(r, redis_url, run_name, tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", [{"id": i} for i in range(50)])
-    config = make_config(redis_url, run_name, data, group_size=3, max_inflight_groups=4, max_staleness=1)
+    config = make_config(redis_url, run_name, data, group_size=3, max_inflight_groups=4, max_dispatch_lag=1)
     sched = Scheduler(config, r)
     while sched.dispatch_train(0):
         pass
@@ -63,7 +63,7 @@ def test_admission_bounds_inflight_groups_and_staleness(r, redis_url, run_name, 
     assert Ledger(r, keys).counts() == {"dispatched": 12, "pending": 12}
 
     sched.cursor.max_inflight_groups = 10  # as a Control `limits` would
-    assert not sched.dispatch_train(2)  # 2 - 0 > max_staleness: these groups would be too stale
+    assert not sched.dispatch_train(2)  # 2 - 0 > max_dispatch_lag: these groups would be too stale
     assert sched.dispatch_train(1)
     assert tasks(r, run_name)[-1].min_version == 1
 
@@ -349,7 +349,7 @@ def test_held_groups_older_than_max_staleness_do_not_block_dispatch(r, redis_url
     # groups) used to count as "oldest in flight", so once the trainer moved on no group could
     # be dispatched and the trainer never got the groups its step waited for: a deadlock.
     data = write_jsonl(tmp_path / "d.jsonl", [{"id": i} for i in range(10)])
-    config = make_config(redis_url, run_name, data, group_size=2, max_inflight_groups=4, max_staleness=1,
+    config = make_config(redis_url, run_name, data, group_size=2, max_inflight_groups=4, max_dispatch_lag=1,
                          hold_until_trained=True, trainer={"groups_per_step": 2}, poll_s=0.05)  # fmt: skip
     sched = Scheduler(config, r)
     assert sched.dispatch_train(0)

@@ -39,11 +39,11 @@ def write_run_file(tmp: Path, redis_url: str, run: str, model: Path, dataset: Pa
     sections = {
         "run": {"name": run, "redis_url": redis_url, "dir": str(tmp / "run"), "log_level": "WARNING"},
         "model": {"path": str(model)},
-        "scheduler": {"dataset": str(dataset), "group_size": 2, "max_inflight_groups": 3, "max_staleness": 4,
+        "scheduler": {"dataset": str(dataset), "group_size": 2, "max_inflight_groups": 3, "max_dispatch_lag": 4,
                       "max_attempts": 4, "shuffle": False},
         "runner": {"agent": "runner_agents:tiny_llm", "concurrency": 2, "inference_urls": [f"http://127.0.0.1:{port}"],
                    "lease_s": 4.0, "grace_s": RUNNER_GRACE_S, "heartbeat_s": 0.5, "upstream_retries": 7},
-        "trainer": {"device": "cpu", "groups_per_step": 1, "lr": 1e-3, "max_staleness": 1000, "group_wait_s": 120.0,
+        "trainer": {"device": "cpu", "groups_per_step": 1, "lr": 1e-3, "max_sample_age": 1000, "group_wait_s": 120.0,
                     "overlong": "keep"},  # truncated: a random model rarely samples eos in 4 tokens
         "inference": {"port": port, "device": "cpu", "torch_threads": 1, "max_model_len": 512},
     }  # fmt: skip

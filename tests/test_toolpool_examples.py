@@ -162,6 +162,7 @@ E2E = {
 }  # fmt: skip
 
 
+@pytest.mark.timeout(540)  # its own subprocess budget, past the suite-wide 300 s
 @pytest.mark.slow
 @pytest.mark.parametrize("example", sorted(E2E))
 def test_example_end_to_end_through_squall_up(example, tmp_path):

@@ -58,6 +58,7 @@ def train_save_resume(tmp_dir, model_path, samples, trainer):
     return straight, resumed.weights(), sorted(p.name for p in ckpt.iterdir())
 
 
+@pytest.mark.slow  # two gloo ranks plus one process: 15-25 s each on 2 cores (make test-fast skips them)
 @pytest.mark.parametrize(
     "trainer",
     [{"loss_agg": "token"}, {"loss_agg": "trajectory", "kl_coef": 0.1}],
@@ -84,6 +85,7 @@ def test_two_ranks_step_equals_one_process(tmp_path, trainer):
             assert metrics[name] == pytest.approx(value, rel=RTOL, abs=1e-7), name
 
 
+@pytest.mark.slow  # two gloo ranks, saved and resumed: ~25 s on 2 cores
 def test_sharded_checkpoint_resumes_the_same_updates(tmp_path):
     model_path = make_tiny_model(tmp_path / "model")
     samples = step_batch(model_path)
@@ -97,7 +99,7 @@ def test_sharded_checkpoint_resumes_the_same_updates(tmp_path):
 
 
 def launch_args(**given):
-    base = {"config": "run.toml", "run": None, "redis_url": None, "backend": None, "max_steps": 3,
+    base = {"config": "run.toml", "run": None, "redis_url": None, "field:trainer.backend": None, "field:trainer.max_steps": 3,
             "nproc_per_node": 2, "nnodes": 1, "node_rank": None, "rdzv_endpoint": None}  # fmt: skip
     return argparse.Namespace(**{**base, **given})
 
@@ -231,6 +233,7 @@ def decoded_key(fields) -> str | None:
         return None
 
 
+@pytest.mark.timeout(660)  # its own subprocess budget, past the suite-wide 300 s
 @pytest.mark.redis
 @pytest.mark.slow
 def test_up_runs_the_trainer_on_two_ranks(tmp_path, r, redis_url, run_name):

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def write_config(tmp_path, redis_url, run_name, model_path, **trainer) -> Path:
-    settings = {"device": "cpu", "groups_per_step": 1, "lr": 1e-3, "max_staleness": 1000, "group_wait_s": 60.0,
+    settings = {"device": "cpu", "groups_per_step": 1, "lr": 1e-3, "max_sample_age": 1000, "group_wait_s": 60.0,
                 "keep_versions": 2, **trainer}  # fmt: skip
     lines = [
         "[run]", f'name = "{run_name}"', f'redis_url = "{redis_url}"', "autostart_redis = false",

@@ -26,7 +26,7 @@ def retag(t: Trajectory, run: str, **changes) -> Trajectory:
 def test_deadline_late_val_and_stale(tmp_path, r, redis_url, run_name):
     torch.set_num_threads(1)
     model_path = make_tiny_model(tmp_path / "model")
-    config = config_for(tmp_path, model_path, groups_per_step=1, group_wait_s=1.0, max_staleness=0)
+    config = config_for(tmp_path, model_path, groups_per_step=1, group_wait_s=1.0, max_sample_age=0)
     config = config.model_copy(
         update={"run": config.run.model_copy(update={"name": run_name, "redis_url": redis_url})}
     )

@@ -165,6 +165,7 @@ def test_a_game_through_the_gateway_trains_the_villagers_only():
 # --- a shortened learning run ---------------------------------------------------------------------
 
 
+@pytest.mark.timeout(480)  # its own subprocess budget, past the suite-wide 300 s
 @pytest.mark.slow
 @pytest.mark.redis
 @pytest.mark.skipif(not (POLICY / "config.json").exists(), reason="the werewolf policy is not built")

@@ -8,58 +8,43 @@ from __future__ import annotations
 
 import argparse
 
-from squall.shared.cliargs import add_common_arguments, config_from_args
+from squall.shared.cliargs import add_common_arguments, add_field_flag, config_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model", metavar="DIR", help="model directory (transformers format); default model.path"
-    )
-    parser.add_argument("--backend", choices=("torch", "vllm"), help="inference backend (default torch)")
-    parser.add_argument("--host", help="listen address (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, help="listen port (default 8000)")
-    parser.add_argument(
+    add_field_flag(parser, "--model", "model.path", metavar="DIR")
+    add_field_flag(parser, "--backend", "inference.backend")
+    add_field_flag(parser, "--host", "inference.host")
+    add_field_flag(parser, "--port", "inference.port")
+    add_field_flag(
+        parser,
         "--api-key",
+        "inference.api_key",
         metavar="KEY",
         help="require Authorization: Bearer KEY on /v1/*; prefer the environment variable "
         "SQUALL_INFERENCE__API_KEY (or inference.api_key in the config), since a key on the "
         "command line is visible to every user in `ps`",
     )
-    parser.add_argument("--node", metavar="ID", help="node id in weights:applied (default host:port)")
-    parser.add_argument(
-        "--served-name", metavar="NAME", help="model name clients ask for (default model.name)"
+    add_field_flag(parser, "--node", "inference.node", metavar="ID")
+    add_field_flag(parser, "--served-name", "inference.model_name", metavar="NAME")
+    add_field_flag(parser, "--device", "inference.device")
+    add_field_flag(
+        parser,
+        "--no-follow",
+        "inference.follow_weights",
+        action="store_const",
+        const=False,
+        help="do not follow the weights stream (no Redis)",
     )
-    parser.add_argument("--device", help="torch device: auto, cpu, cuda, cuda:1 ...")
-    parser.add_argument(
-        "--no-follow", action="store_true", help="do not follow the weights stream (no Redis)"
-    )
-    parser.add_argument(
-        "--pin-version", type=int, metavar="K",
-        help="serve exactly published weight version K and never another (a policy snapshot, "
-        "e.g. a self-play opponent)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--behind", type=int, metavar="N", help="serve the version N behind the newest published one"
-    )
+    add_field_flag(parser, "--pin-version", "inference.pin_version", metavar="K")
+    add_field_flag(parser, "--behind", "inference.behind_versions", metavar="N")
     add_common_arguments(parser)
 
 
 def main(args: argparse.Namespace) -> int:
     from squall.shared.logs import configure_logging
 
-    inference = {
-        "backend": args.backend,
-        "host": args.host,
-        "port": args.port,
-        "api_key": args.api_key,
-        "node": args.node,
-        "model_name": args.served_name,
-        "device": args.device,
-        "follow_weights": False if args.no_follow else None,
-        "pin_version": args.pin_version,
-        "behind_versions": args.behind,
-    }
-    config = config_from_args(args, inference=inference, model={"path": args.model})
+    config = config_from_args(args)
     section = config.inference
     configure_logging(
         "inference",

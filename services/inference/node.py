@@ -75,7 +75,8 @@ class InferenceNode:
             import torch
 
             torch.set_num_threads(section.torch_threads)
-        self.engine = engine = make_engine(self.config, self.model_dir)
+        # the adapters' rank is the trainer's: the one value inference takes from its section
+        self.engine = engine = make_engine(section, self.model_dir, lora_rank=self.config.trainer.lora_rank)
         await engine.start()
         follow_task = None
         redis_client = None
@@ -83,13 +84,19 @@ class InferenceNode:
             if section.follow_weights:
                 redis_client = await self._redis()
                 run = self.config.run
-                outage = RedisOutage(run.redis_url, run.redis_outage_s, log=log,
-                                     on_outage=self.metrics.count_redis_outage)  # fmt: skip
+                outage = RedisOutage(
+                    run.redis_url, run.redis_outage_s, log=log, on_outage=self.metrics.count_redis_outage
+                )
                 self.follower = WeightFollower(
-                    redis_client, Keys(run.name), engine, node=self.node, metrics=self.metrics,
-                    outage=outage, metrics_port=section.port,
+                    redis_client,
+                    Keys(run.name),
+                    engine,
+                    node=self.node,
+                    metrics=self.metrics,
+                    outage=outage,
+                    metrics_port=section.port,
                     snapshot=Snapshot(section.pin_version, section.behind_versions),
-                )  # fmt: skip
+                )
                 await self.follower.catch_up()
                 follow_task = asyncio.create_task(self.follower.run(), name="weight-follower")
                 follow_task.add_done_callback(self._follower_ended)
@@ -161,8 +168,12 @@ class InferenceNode:
         # A node that silently stopped following would serve stale weights forever: stop
         # instead, so the supervisor (systemd, squall up) restarts it.
         self.failure = task.exception()
-        log.error("weights_follower_failed", error=str(self.failure), kind=type(self.failure).__name__,
-                  node=self.node)  # fmt: skip
+        log.error(
+            "weights_follower_failed",
+            error=str(self.failure),
+            kind=type(self.failure).__name__,
+            node=self.node,
+        )
         self.stop()
 
     def stop(self) -> None:

@@ -127,9 +127,13 @@ def build_tiny_model(
     """
     tokenizer = build_tokenizer(default_corpus(seed) if corpus is None else corpus, vocab_size)
     sizes = dict(
-        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=hidden_size * 4,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_heads,
-    )  # fmt: skip
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 4,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+    )
     return _write_qwen2(out_dir, tokenizer, sizes, max_position_embeddings, seed)
 
 
@@ -145,9 +149,14 @@ def _write_qwen2(
     out.mkdir(parents=True, exist_ok=True)
     eos_id, pad_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN), tokenizer.convert_tokens_to_ids(PAD_TOKEN)
     config = Qwen2Config(
-        **sizes, max_position_embeddings=max_positions, tie_word_embeddings=True,
-        bos_token_id=None, eos_token_id=eos_id, pad_token_id=pad_id, use_sliding_window=False,
-    )  # fmt: skip
+        **sizes,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        use_sliding_window=False,
+    )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config).to(torch.float32)
     model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None)
@@ -158,9 +167,15 @@ def _write_qwen2(
 
 # Real architectures' shapes, for measuring speed and memory without a hub download.
 MODEL_SHAPES: dict[str, dict[str, int]] = {
-    "qwen2-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                       num_key_value_heads=2, vocab_size=151936),
-}  # fmt: skip
+    "qwen2-0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+    ),
+}
 
 
 def build_shaped_model(

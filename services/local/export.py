@@ -50,8 +50,13 @@ def main(args: argparse.Namespace) -> int:
     config = config_from_args(args, model={"path": args.model})
     try:
         weights = Path(args.weights) if args.weights else version_file(config.run.dir, args.version)
-        out = export(config.model.path, weights, args.out, force=args.force, provenance={
-            "run": config.run.name, "version": args.version, "weights": str(weights.resolve())})  # fmt: skip
+        out = export(
+            config.model.path,
+            weights,
+            args.out,
+            force=args.force,
+            provenance={"run": config.run.name, "version": args.version, "weights": str(weights.resolve())},
+        )
     except (ConfigError, WeightsError) as exc:
         print(f"squall export: {exc}", file=sys.stderr)
         return 2
@@ -81,10 +86,15 @@ def version_file(run_dir: str, version: int) -> Path:
     path = folder / WEIGHTS_FILE
     if not path.exists():
         root = Path(run_dir) / "weights"
-        have = sorted(
-            p.name for p in root.glob("v*")
-            if (p / WEIGHTS_FILE).exists() or (p / INDEX_FILE).exists() or (p / ADAPTER_CONFIG).exists()
-        ) if root.is_dir() else []  # fmt: skip
+        have = (
+            sorted(
+                p.name
+                for p in root.glob("v*")
+                if (p / WEIGHTS_FILE).exists() or (p / INDEX_FILE).exists() or (p / ADAPTER_CONFIG).exists()
+            )
+            if root.is_dir()
+            else []
+        )
         raise WeightsError(
             f"no weights for version {version} at {path}; on disk: {', '.join(have) or 'none'} "
             "(the trainer keeps only the newest trainer.keep_versions; check --run / run.dir)"

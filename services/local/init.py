@@ -2,9 +2,9 @@
 
 Parts:
 - `render_run_file(values)`: run.toml with every section and every field of RunConfig, each
-  commented with its docstring, type and bounds, read from the pydantic models and their
-  source (so the file cannot drift from shared/config.py); fields in `values` are set, the
-  rest are shown commented out at their defaults;
+  commented with its docstring (the field's description), type and bounds, read from the
+  pydantic models (so the file cannot drift from shared/config.py); values written by tomlkit;
+  fields in `values` are set, the rest are shown commented out at their defaults;
 - `demo_policy()` and `demo_source()`: the committed demo policy and the calculator example
   of a source checkout (examples/calc), which the scaffold points at and copies from;
 - `scaffold(folder)`: run.toml, agent.py (the calculator agent: plain OpenAI SDK) and a tiny
@@ -14,11 +14,7 @@ Parts:
 from __future__ import annotations
 
 import argparse
-import ast
 import importlib.util
-import inspect
-import json
-import math
 import re
 import sys
 import textwrap
@@ -66,41 +62,21 @@ def demo_policy() -> Path:
 
 # --- run.toml from the models -------------------------------------------------------------
 def field_docs(model: type) -> dict[str, str]:
-    """Field name -> the docstring written under it in the model's class body."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(model)))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for node, after in zip(body, body[1:], strict=False):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(after, ast.Expr)
-            and isinstance(after.value, ast.Constant)
-            and isinstance(after.value.value, str)
-        ):
-            docs[node.target.id] = " ".join(after.value.value.split())
-    return docs
+    """Field name -> the docstring written under it in the model's class body (pydantic keeps
+    it as the field's description: `use_attribute_docstrings` on shared.config.Section)."""
+    fields = model.model_fields  # type: ignore[attr-defined]
+    return {name: " ".join(info.description.split()) for name, info in fields.items() if info.description}
 
 
 def toml_value(value: Any) -> str:
-    """`value` as a TOML literal (str, bool, int, float, list, table)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        return ("-inf" if value < 0 else "inf") if math.isinf(value) else repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # JSON's escapes are TOML basic-string escapes
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(toml_value(item) for item in value) + "]"
+    """`value` as a TOML literal (str, bool, int, float, list, table), written by tomlkit."""
+    import tomlkit
+
     if isinstance(value, dict):
-        if not value:
-            return "{}"
-        return "{ " + ", ".join(f"{json.dumps(str(k))} = {toml_value(v)}" for k, v in value.items()) + " }"
-    raise TypeError(f"no TOML form for {type(value).__name__}: {value!r}")
+        table = tomlkit.inline_table()
+        table.update(value)
+        return table.as_string()
+    return tomlkit.item(value).as_string()
 
 
 _BOUNDS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
@@ -272,11 +248,20 @@ def main(args: argparse.Namespace) -> int:
 
     folder = Path(args.folder)
     try:
-        run_file = scaffold(folder, name=args.name, model=args.model, train=args.train, val=args.val,
-                            seed=args.seed, force=args.force)  # fmt: skip
+        run_file = scaffold(
+            folder,
+            name=args.name,
+            model=args.model,
+            train=args.train,
+            val=args.val,
+            seed=args.seed,
+            force=args.force,
+        )
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
-    print(f"squall init: wrote {run_file}, {folder / 'agent.py'} and {args.train}+{args.val} problems in "
-          f"{folder / 'data'}\nnext:  cd {folder} && squall up --config run.toml")  # fmt: skip
+    print(
+        f"squall init: wrote {run_file}, {folder / 'agent.py'} and {args.train}+{args.val} problems in "
+        f"{folder / 'data'}\nnext:  cd {folder} && squall up --config run.toml"
+    )
     return 0

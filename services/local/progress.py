@@ -51,10 +51,14 @@ def plot_curve(snap: dict[str, Any], path: Path, title: str = "squall: GRPO") ->
         xs = sorted(by_version)
         means = [sum(by_version[x]) / len(by_version[x]) for x in xs]
         ax.plot(xs, means, label="train reward (mean of groups)", color="tab:blue", alpha=0.7)
-    val = snap["rewards"]["val"]
-    if val:
-        ax.plot([p["version"] for p in val], [p["mean"] for p in val], "o-", label="validation reward",
-                color="tab:orange")  # fmt: skip
+    if snap["rewards"]["val"]:
+        ax.plot(
+            [p["version"] for p in snap["rewards"]["val"]],
+            [p["mean"] for p in snap["rewards"]["val"]],
+            "o-",
+            label="validation reward",
+            color="tab:orange",
+        )
     ax.set_xlabel("policy version")
     ax.set_ylabel("reward")
     ax.set_ylim(-0.02, 1.02)

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -28,19 +30,53 @@ GRACE_S = 30.0  # SIGTERM -> SIGKILL for the whole set of services
 PROGRESS_EVERY_S = 5.0
 
 
+@dataclass
+class UpOptions:
+    """What `squall up` runs besides the config: its flags, and `squall.up()`'s keywords."""
+
+    config: str | None = None  # the run file the services read (None: the resolved config is written)
+    runners: int = 2  # runner processes
+    inference_nodes: int = 1  # inference nodes
+    base_port: int = 0  # first inference port (0: free ports)
+    trainer_ranks: int = 1  # trainer ranks on this machine, FSDP-sharded through torchrun (1: one process)
+    minutes: float = 0.0  # stop after this many minutes (0: when the scheduler finishes)
+    keep: bool = False  # keep the run's earlier Redis keys and folder (default: start fresh)
+    label: str = "demo"  # word that starts the final summary line
+
+    def problem(self) -> str | None:
+        if self.trainer_ranks < 1:
+            return f"--trainer-ranks must be at least 1, got {self.trainer_ranks}"
+        return None
+
+
+_DEFAULTS = UpOptions()
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser)
-    parser.add_argument("--runners", type=int, default=2, help="runner processes (default 2)")
-    parser.add_argument("--inference-nodes", type=int, default=1, help="inference nodes (default 1)")
-    parser.add_argument("--base-port", type=int, default=0, help="first inference port (default: free ports)")
+    d = _DEFAULTS
     parser.add_argument(
-        "--trainer-ranks", type=int, default=1,
+        "--runners", type=int, default=d.runners, help=f"runner processes (default {d.runners})"
+    )
+    parser.add_argument(
+        "--inference-nodes",
+        type=int,
+        default=d.inference_nodes,
+        help=f"inference nodes (default {d.inference_nodes})",
+    )
+    parser.add_argument(
+        "--base-port", type=int, default=d.base_port, help="first inference port (default: free ports)"
+    )
+    parser.add_argument(
+        "--trainer-ranks",
+        type=int,
+        default=d.trainer_ranks,
         help="trainer ranks on this machine, FSDP-sharded through torchrun (default 1: one process)",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--minutes",
         type=float,
-        default=0.0,
+        default=d.minutes,
         help="stop after this many minutes (0: when the scheduler finishes)",
     )
     parser.add_argument(
@@ -48,17 +84,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="keep the run's earlier Redis keys and folder (default: start fresh)",
     )
-    parser.add_argument("--label", default="demo", help="word that starts the final summary line")
+    parser.add_argument("--label", default=d.label, help="word that starts the final summary line")
 
 
 def main(args: argparse.Namespace) -> int:
     from squall.shared.cliargs import config_from_args
 
-    if args.trainer_ranks < 1:
-        print(f"squall up: --trainer-ranks must be at least 1, got {args.trainer_ranks}", file=sys.stderr)
+    options = UpOptions(**{f.name: getattr(args, f.name) for f in fields(UpOptions)})
+    if problem := options.problem():
+        print(f"squall up: {problem}", file=sys.stderr)
         return 2
     config = config_from_args(args)
-    return Up(config, args).run()
+    return Up(config, options).run()
 
 
 def measured_word(summary: dict[str, Any]) -> str:
@@ -102,6 +139,8 @@ class Up:
         finally:
             self._shutdown()
             self._report()
+            if not self.args.config:  # the written config may hold secrets (URL, API keys)
+                (self.run_dir / "run-config.json").unlink(missing_ok=True)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         return code
@@ -125,14 +164,25 @@ class Up:
                 self.r.delete(key)
         self.r.hset(self.keys.config, mapping={"json": self.config.to_json(), "started_at": time.time()})
 
+    def _services_config(self) -> str:
+        """The run file the services read: the one given, else the resolved config written into
+        the run folder (`squall.up()` with a config built in code), mode 0600: the Redis URL
+        may hold a password."""
+        if self.args.config:
+            return str(self.args.config)
+        path = self.run_dir / "run-config.json"
+        if not path.exists():
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as out:
+                out.write(self.config.model_dump_json(indent=1))
+        return str(path)
+
     def _start_services(self) -> None:
         from squall.local.procs import ServiceProcess
         from squall.shared.localredis import free_port
 
         logs = self.run_dir / "logs"
-        common = ["--run", self.keys.run]
-        if self.args.config:
-            common = ["--config", self.args.config, *common]
+        common = ["--run", self.keys.run, "--config", self._services_config()]
         # Through the environment, not argv: a URL may hold a password, and argv is public (ps).
         env = {"SQUALL_RUN__DIR": str(self.run_dir), "SQUALL_RUN__REDIS_URL": self.config.run.redis_url}
         ports = [
@@ -164,7 +214,7 @@ class Up:
         self.processes.append(ServiceProcess("trainer", ["trainer", *common, *ranks], logs, env).start())
         self.processes.append(ServiceProcess("scheduler", ["scheduler", *common], logs, env).start())
         if self.config.worker.queues:  # the tool pool; agents find it through the env (toolpool/client.py)
-            env.update(SQUALL_RUN__NAME=self.keys.run, SQUALL_CONFIG=self.args.config or "")
+            env.update(SQUALL_RUN__NAME=self.keys.run, SQUALL_CONFIG=self._services_config())
             self.processes.append(ServiceProcess("worker", ["worker", *common], logs, env).start())
         if self.config.tracking.backends:  # experiment tracking (services/tracking) follows the streams
             self.processes.append(ServiceProcess("track", ["track", *common], logs, env).start())
@@ -173,8 +223,11 @@ class Up:
         pinned = "".join(
             f", snapshot {name!r} (version {snapshots[name]}) at {url}" for name, url in snapshot_urls.items()
         )
-        print(f"squall up: run {self.keys.run!r} in {self.run_dir}: {len(urls)} inference node(s) at "
-              f"{', '.join(urls)}{pinned}, trainer, scheduler, {self.args.runners} runner(s); logs in {logs}", flush=True)  # fmt: skip
+        print(
+            f"squall up: run {self.keys.run!r} in {self.run_dir}: {len(urls)} inference node(s) at "
+            f"{', '.join(urls)}{pinned}, trainer, scheduler, {self.args.runners} runner(s); logs in {logs}",
+            flush=True,
+        )
 
     def _wait_healthy(self, urls: list[str]) -> None:
         import httpx
@@ -237,8 +290,11 @@ class Up:
         codes = stop_all([p for p in order if p.name != "track"], GRACE_S)
         codes.update(stop_all([p for p in order if p.name == "track"], GRACE_S))
         unclean = {name: code for name, code in codes.items() if code not in (0, None, -signal.SIGTERM)}
-        print(f"squall up: stopped {len(codes)} services ({self.reason or 'done'})"
-              + (f"; unclean exits: {unclean}" if unclean else ""), flush=True)  # fmt: skip
+        print(
+            f"squall up: stopped {len(codes)} services ({self.reason or 'done'})"
+            + (f"; unclean exits: {unclean}" if unclean else ""),
+            flush=True,
+        )
 
     # --- progress and report --------------------------------------------------------------
     def _snapshot(self) -> dict[str, Any]:
@@ -309,6 +365,8 @@ class Up:
         print(
             f"squall up: curve {png}, summary {self.run_dir / 'summary.json'}, ledger balanced={summary['ledger_balanced']}"
         )
-        print(f"{self.args.label}: val_reward_start={fmt(summary['val_reward_start'])} "
-              f"val_reward_end={fmt(summary['val_reward_end'])} {measured_word(summary)} minutes={minutes:.1f}",
-              flush=True)  # fmt: skip
+        print(
+            f"{self.args.label}: val_reward_start={fmt(summary['val_reward_start'])} "
+            f"val_reward_end={fmt(summary['val_reward_end'])} {measured_word(summary)} minutes={minutes:.1f}",
+            flush=True,
+        )

@@ -44,9 +44,16 @@ ACL_FILE = "users.acl"
 # shared/ledger.py (redis-py's Script does EVALSHA, then SCRIPT LOAD on NOSCRIPT;
 # pipelines check with SCRIPT EXISTS first).
 CONNECTION = (
-    "ping", "echo", "hello", "select", "reset", "quit",
-    "client|setname", "client|getname", "client|id",
-)  # fmt: skip
+    "ping",
+    "echo",
+    "hello",
+    "select",
+    "reset",
+    "quit",
+    "client|setname",
+    "client|getname",
+    "client|id",
+)
 WRITER_KEYLESS = ("multi", "exec", "discard", "script|load", "script|exists")  # not for the read-only monitor
 
 # Command sets, named by what they are for.
@@ -161,10 +168,17 @@ MATRIX: dict[str, tuple[Grant, ...]] = {
     # Owns the run: dispatches tasks, consumes its group of trajectories, keeps the ledger,
     # the groups and its cursor, writes the reward curve, reads control and versions.
     "scheduler": (
-        Grant(STREAM_APPEND + STREAM_READ + STREAM_GROUP_INFO + STREAM_CONSUME + STREAM_TRIM + ("xdel",),
-              ("tasks",), write=True),
+        Grant(
+            STREAM_APPEND + STREAM_READ + STREAM_GROUP_INFO + STREAM_CONSUME + STREAM_TRIM + ("xdel",),
+            ("tasks",),
+            write=True,
+        ),
         Grant(STREAM_CONSUME + STREAM_READ + STREAM_GROUP_INFO + STREAM_TRIM, ("trajectories",), write=True),
-        Grant(STREAM_APPEND + STREAM_READ + STREAM_TRIM, ("rewards", "control", "events", "deadletter"), write=True),
+        Grant(
+            STREAM_APPEND + STREAM_READ + STREAM_TRIM,
+            ("rewards", "control", "events", "deadletter"),
+            write=True,
+        ),
         Grant(STREAM_READ, ("weights", "weights_applied", "metrics"), write=False),
         _LEDGER,
         Grant(HASH_READ + HASH_WRITE + ("del",), ("groups", "scheduler_state", "config"), write=True),
@@ -189,7 +203,11 @@ MATRIX: dict[str, tuple[Grant, ...]] = {
     # Consumes `trajectories` in group `trainer`, moves attempts to trained/filtered,
     # publishes weights and metrics and its own version.
     "trainer": (
-        Grant(STREAM_CONSUME + STREAM_READ + STREAM_GROUP_INFO + STREAM_TRIM + SCRIPT, ("trajectories",), write=True),
+        Grant(
+            STREAM_CONSUME + STREAM_READ + STREAM_GROUP_INFO + STREAM_TRIM + SCRIPT,
+            ("trajectories",),
+            write=True,
+        ),
         Grant(STREAM_APPEND + STREAM_READ, ("weights", "metrics"), write=True),
         Grant(STREAM_READ, ("weights_applied",), write=False),
         Grant(("hset", "hget", "hgetall"), ("versions",), write=True),
@@ -208,10 +226,8 @@ MATRIX: dict[str, tuple[Grant, ...]] = {
         Grant(RQ_READ, (RQ_KEYS,), write=False),  # the tool pool's queues and workers
     ),
     # The tool pool (`squall worker`): rq's keys only, nothing of the run's streams or hashes.
-    "worker": (
-        Grant(RQ_READ + RQ_WRITE, (RQ_KEYS,), write=True),
-    ),
-}  # fmt: skip
+    "worker": (Grant(RQ_READ + RQ_WRITE, (RQ_KEYS,), write=True),),
+}
 # Agents run inside the runner and enqueue tool jobs with its credentials (toolpool/client.py).
 MATRIX["runner"] = (*MATRIX["runner"], Grant(RQ_READ + RQ_WRITE, (RQ_KEYS,), write=True))
 
@@ -287,7 +303,8 @@ def write_acl(
     """
     keys = Keys(run)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    if not out.is_dir():
+        out.mkdir(mode=0o700, parents=True)  # a new folder of secrets: only its owner may list it
     chosen = dict(passwords or {})
     unknown = set(chosen) - {*SERVICES, ADMIN_USER}
     if unknown:
@@ -309,18 +326,32 @@ def write_acl(
     return written
 
 
+def default_out_dir(run: str) -> Path:
+    """`$XDG_CONFIG_HOME/squall/secrets/<run>` (else `~/.config/...`): outside any checkout, so
+    the passwords are never one `git add -A` away from a commit."""
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "squall" / "secrets" / run
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", default=os.environ.get("SQUALL_RUN__NAME", "default"), help="run name")
-    parser.add_argument("--out", default="deploy/secrets", help="folder for users.acl and the env files")
+    parser.add_argument(
+        "--out",
+        help="folder for users.acl and the env files (default $XDG_CONFIG_HOME/squall/secrets/RUN, "
+        "else ~/.config/squall/secrets/RUN; created mode 0700)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="Redis host the services connect to")
     parser.add_argument("--port", type=int, default=6379, help="Redis port")
     parser.add_argument("--db", type=int, default=0, help="Redis database number")
     parser.add_argument("--tls", action="store_true", help="write rediss:// URLs (TLS)")
     parser.add_argument(
-        "--password", action="append", default=[], metavar="USER=SECRET",
+        "--password",
+        action="append",
+        default=[],
+        metavar="USER=SECRET",
         help="use this password instead of a generated one (user: scheduler, runner, trainer, "
         "inference, monitor, worker, admin); repeatable",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--acl-mode",
         default="600",
@@ -337,15 +368,22 @@ def main(args: argparse.Namespace) -> int:
             print(f"squall acl: --password wants USER=SECRET, got {user!r}=…", file=sys.stderr)
             return 2
         passwords[user] = secret
+    out = Path(args.out) if args.out else default_out_dir(args.run)
     written = write_acl(
-        args.out, args.run, passwords=passwords, host=args.host, port=args.port, db=args.db, tls=args.tls,
+        out,
+        args.run,
+        passwords=passwords,
+        host=args.host,
+        port=args.port,
+        db=args.db,
+        tls=args.tls,
         acl_mode=int(args.acl_mode, 8),
-    )  # fmt: skip
+    )
     if args.print:
         print(written["acl"].read_text(), end="")
     names = ", ".join(p.name for k, p in written.items() if k != "acl")
     print(
-        f"squall acl: wrote {written['acl']} and {names} in {Path(args.out)} (secrets: mode 0600)",
+        f"squall acl: wrote {written['acl']} and {names} in {out} (secrets: mode 0600)",
         file=sys.stderr,
     )
     return 0

@@ -21,9 +21,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--port", type=int, default=DEFAULT_PORT, help=f"listen port (default {DEFAULT_PORT})"
     )
     parser.add_argument(
-        "--api-key", default=os.environ.get("SQUALL_DASHBOARD_API_KEY", ""),
+        "--api-key",
+        default=os.environ.get("SQUALL_DASHBOARD_API_KEY", ""),
         help="require this bearer key for /api/state and /metrics (env SQUALL_DASHBOARD_API_KEY)",
-    )  # fmt: skip
+    )
 
 
 def main(args: argparse.Namespace) -> int:

@@ -70,7 +70,7 @@ def standard_metrics(registry: CollectorRegistry | None = None) -> StandardMetri
             ["mode"],
             buckets=ROLLOUT_BUCKETS_S,
             registry=registry,
-        ),  # fmt: skip
+        ),
         inflight=Gauge("squall_inflight_attempts", "Attempts running now in this process", registry=registry),
         tokens=Counter("squall_tokens", "Tokens processed, by kind", ["kind"], registry=registry),
         tokens_per_second=Gauge(

@@ -34,11 +34,20 @@ ERRORS_QUOTED = 20
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser)
-    parser.add_argument("--reward", required=True, metavar="MODULE:FN",
-                        help="the reward function, fn(task: dict, final_answer: str | None) -> float")  # fmt: skip
+    parser.add_argument(
+        "--reward",
+        required=True,
+        metavar="MODULE:FN",
+        help="the reward function, fn(task: dict, final_answer: str | None) -> float",
+    )
     parser.add_argument("--run-dir", help="the run folder holding rollouts/ (default: run.dir of the config)")
-    parser.add_argument("--id", action="append", default=[], metavar="KEY",
-                        help="only this attempt (`<group>:<index>#<attempt>`); repeatable")  # fmt: skip
+    parser.add_argument(
+        "--id",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="only this attempt (`<group>:<index>#<attempt>`); repeatable",
+    )
     parser.add_argument("--live", action="store_true", help="also the attempts still in the run's Redis")
     parser.add_argument("--out", help="where to write the JSON report")
 
@@ -53,9 +62,15 @@ def distribution(values: list[float]) -> dict[str, Any]:
         return ordered[min(len(ordered) - 1, int(p * (len(ordered) - 1) + 0.5))]
 
     out: dict[str, Any] = {
-        "n": len(values), "mean": statistics.fmean(values), "std": statistics.pstdev(values),
-        "min": ordered[0], "p10": q(0.1), "p50": q(0.5), "p90": q(0.9), "max": ordered[-1],
-    }  # fmt: skip
+        "n": len(values),
+        "mean": statistics.fmean(values),
+        "std": statistics.pstdev(values),
+        "min": ordered[0],
+        "p10": q(0.1),
+        "p50": q(0.5),
+        "p90": q(0.9),
+        "max": ordered[-1],
+    }
     distinct = sorted(set(values))
     if len(distinct) <= DISTINCT_SHOWN:
         out["values"] = {repr(v): values.count(v) for v in distinct}
@@ -112,10 +127,15 @@ def rescore(rollouts: list[Any], fn: Any) -> dict[str, Any]:
         attempts.append({"key": t.key, "version": rollout.version, "before": t.reward, "after": after})
     everything = [p for version in sorted(pairs) for p in pairs[version]]
     return {
-        "attempts": len(rollouts), "scored": len(everything), "skipped": skipped, "errors": len(errors),
-        "error_examples": errors[:ERRORS_QUOTED], "overall": _compare(everything),
-        "by_version": {str(v): _compare(pairs[v]) for v in sorted(pairs)}, "rescored": attempts,
-    }  # fmt: skip
+        "attempts": len(rollouts),
+        "scored": len(everything),
+        "skipped": skipped,
+        "errors": len(errors),
+        "error_examples": errors[:ERRORS_QUOTED],
+        "overall": _compare(everything),
+        "by_version": {str(v): _compare(pairs[v]) for v in sorted(pairs)},
+        "rescored": attempts,
+    }
 
 
 def _fmt(value: Any) -> str:
@@ -125,13 +145,16 @@ def _fmt(value: Any) -> str:
 def render(report: dict[str, Any]) -> str:
     lines = [
         f"rescore of run {report['run']} with {report['reward']}: {report['scored']} of {report['attempts']} "
-        f"attempts scored, {report['errors']} errors" + (f", skipped {report['skipped']}" if report["skipped"] else ""),
+        f"attempts scored, {report['errors']} errors"
+        + (f", skipped {report['skipped']}" if report["skipped"] else ""),
         f"{'version':>8} {'n':>6} {'before mean':>12} {'after mean':>12} {'changed':>8}",
-    ]  # fmt: skip
+    ]
     for name, part in [*report["by_version"].items(), ("all", report["overall"])]:
         before, after = part["before"], part["after"]
-        lines.append(f"{name:>8} {before['n']:>6} {_fmt(before.get('mean')):>12} {_fmt(after.get('mean')):>12} "
-                     f"{part['changed']:>8}")  # fmt: skip
+        lines.append(
+            f"{name:>8} {before['n']:>6} {_fmt(before.get('mean')):>12} {_fmt(after.get('mean')):>12} "
+            f"{part['changed']:>8}"
+        )
     for error in report["error_examples"][:5]:
         lines.append(f"error    {error['key']}: {error['error']}")
     return "\n".join(lines)
@@ -165,21 +188,32 @@ def main(args: argparse.Namespace) -> int:
             return 2
     rollouts = read_all(run_dir if Path(run_dir).is_dir() else None, r, Keys(config.run.name) if r else None)
     if not rollouts:
-        print(f"squall rescore: no kept attempts of run {config.run.name!r} in {Path(run_dir) / 'rollouts'}"
-              f"{' or its Redis' if args.live else ''}: pass the run folder with --run-dir (the scheduler keeps "
-              "scheduler.keep_rollouts_per_version attempts per version there)", file=sys.stderr)  # fmt: skip
+        print(
+            f"squall rescore: no kept attempts of run {config.run.name!r} in {Path(run_dir) / 'rollouts'}"
+            f"{' or its Redis' if args.live else ''}: pass the run folder with --run-dir (the scheduler keeps "
+            "scheduler.keep_rollouts_per_version attempts per version there)",
+            file=sys.stderr,
+        )
         return 2
     if args.id:
         known = {x.key for x in rollouts}
         missing = [key for key in args.id if key not in known]
         if missing:
-            print(f"squall rescore: no kept attempt {', '.join(map(repr, missing))} in {run_dir} "
-                  f"({len(rollouts)} kept; ids look like `<group>:<index>#<attempt>`, listed by "
-                  "`squall show trajectories`)", file=sys.stderr)  # fmt: skip
+            print(
+                f"squall rescore: no kept attempt {', '.join(map(repr, missing))} in {run_dir} "
+                f"({len(rollouts)} kept; ids look like `<group>:<index>#<attempt>`, listed by "
+                "`squall show trajectories`)",
+                file=sys.stderr,
+            )
             return 2
         rollouts = [x for x in rollouts if x.key in set(args.id)]
-    report = {"run": config.run.name, "reward": args.reward, "run_dir": str(run_dir), "time": time.time(),
-              **rescore(rollouts, fn)}  # fmt: skip
+    report = {
+        "run": config.run.name,
+        "reward": args.reward,
+        "run_dir": str(run_dir),
+        "time": time.time(),
+        **rescore(rollouts, fn),
+    }
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     out = (
         Path(args.out)

@@ -51,19 +51,26 @@ def _connect(config: Any) -> Any:
             return r
     except redis.RedisError:
         pass
-    print(f"squall show: run {config.run.name!r} is not in Redis at {config.run.redis_url.split('@')[-1]}: "
-          "reading the run folder only", file=sys.stderr)  # fmt: skip
+    print(
+        f"squall show: run {config.run.name!r} is not in Redis at {config.run.redis_url.split('@')[-1]}: "
+        "reading the run folder only",
+        file=sys.stderr,
+    )
     return None
 
 
 def render_list(listing: dict[str, Any]) -> str:
-    lines = [f"{listing['matched']} of {listing['total']} attempts "
-             f"(kept {listing['sources']['kept']}, live {listing['sources']['live']})",
-             f"{'attempt':<22} {'ver':>4} {'mode':<5} {'status':<9} {'reward':>7} {'turns':>5}  ledger"]  # fmt: skip
+    lines = [
+        f"{listing['matched']} of {listing['total']} attempts "
+        f"(kept {listing['sources']['kept']}, live {listing['sources']['live']})",
+        f"{'attempt':<22} {'ver':>4} {'mode':<5} {'status':<9} {'reward':>7} {'turns':>5}  ledger",
+    ]
     for row in listing["rows"]:
         reward = "-" if row["reward"] is None else f"{row['reward']:.3f}"
-        lines.append(f"{row['key']:<22} {row['version']:>4} {row['mode']:<5} {row['status']:<9} {reward:>7} "
-                     f"{row['turns']:>5}  {row['ledger'] or '-'}")  # fmt: skip
+        lines.append(
+            f"{row['key']:<22} {row['version']:>4} {row['mode']:<5} {row['status']:<9} {reward:>7} "
+            f"{row['turns']:>5}  {row['ledger'] or '-'}"
+        )
     return "\n".join(lines)
 
 
@@ -76,17 +83,19 @@ def render_detail(d: dict[str, Any]) -> str:
         f"{group['members_found']} members found)  ledger {d['ledger'] or '-'}",
         f"version {d['version']} (min {d['min_version']})  runner {d['runner']}  source {d['source']}",
         f"timings {json.dumps(d['timings'])}",
-    ]  # fmt: skip
+    ]
     if d["error"]:
         lines.append(f"error {d['error']}")
     if d["payload"] is not None:
         lines.append(f"task {json.dumps(d['payload'])[:400]}")
     for turn in d["turns"]:
         lines.append("")
-        lines.append(f"--- turn {turn['index']}: agent {turn['agent']}  model {turn['model']}  "
-                     f"{'trained' if turn['trained'] else 'not trained'}  v{turn['version']}  node {turn['node'] or '-'}  "
-                     f"{turn['latency_s']:.2f}s  {turn['finish_reason']}  prompt {turn['prompt_tokens']} tok, "
-                     f"response {turn['response_tokens']} tok ({turn['loss_tokens']} with loss)")  # fmt: skip
+        lines.append(
+            f"--- turn {turn['index']}: agent {turn['agent']}  model {turn['model']}  "
+            f"{'trained' if turn['trained'] else 'not trained'}  v{turn['version']}  node {turn['node'] or '-'}  "
+            f"{turn['latency_s']:.2f}s  {turn['finish_reason']}  prompt {turn['prompt_tokens']} tok, "
+            f"response {turn['response_tokens']} tok ({turn['loss_tokens']} with loss)"
+        )
         if d["decoded"]:
             shown = turn["new_prompt_text"] if turn["prompt_continues"] else turn["prompt_text"]
             lines.append(
@@ -123,8 +132,10 @@ def main(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     if args.what != "trajectories" and not args.id:
-        print(f"squall show {args.what}: give the {'attempt' if args.what == 'trajectory' else 'group'} id",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"squall show {args.what}: give the {'attempt' if args.what == 'trajectory' else 'group'} id",
+            file=sys.stderr,
+        )
         return 2
     keys = Keys(config.run.name)
     r = _connect(config)
@@ -132,8 +143,15 @@ def main(args: argparse.Namespace) -> int:
     view = TrajectoryView(r, keys, run_dir, model_dir, config.trainer.advantage)
     try:
         if args.what == "trajectories":
-            filters = Filters(version=args.version, group=args.group, status=args.status, ledger=args.ledger,
-                              mode=args.mode, min_reward=args.min_reward, max_reward=args.max_reward)  # fmt: skip
+            filters = Filters(
+                version=args.version,
+                group=args.group,
+                status=args.status,
+                ledger=args.ledger,
+                mode=args.mode,
+                min_reward=args.min_reward,
+                max_reward=args.max_reward,
+            )
             body, text = view.list(filters, args.n), render_list
         elif args.what == "trajectory":
             body, text = view.detail(args.id), render_detail

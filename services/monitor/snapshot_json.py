@@ -27,10 +27,16 @@ def _finite(value: float | None) -> float | None:
 
 def _groups(snap: runstate.RunSnapshot) -> list[dict[str, Any]]:
     return [
-        {"stream": g.stream, "group": g.group, "lag": g.lag, "pending": g.pending, "consumers": g.consumers,
-         "last_delivered": g.last_delivered}
+        {
+            "stream": g.stream,
+            "group": g.group,
+            "lag": g.lag,
+            "pending": g.pending,
+            "consumers": g.consumers,
+            "last_delivered": g.last_delivered,
+        }
         for g in snap.groups
-    ]  # fmt: skip
+    ]
 
 
 def _ledger(ledger: runstate.LedgerState) -> dict[str, Any]:
@@ -45,10 +51,16 @@ def _ledger(ledger: runstate.LedgerState) -> dict[str, Any]:
 
 def _heartbeats(snap: runstate.RunSnapshot) -> list[dict[str, Any]]:
     return [
-        {"id": p.id, "service": p.service, "age_s": round(p.age_s, 1) if p.age_s is not None else None,
-         "alive": p.alive, "state": p.state, "fields": p.fields()}
+        {
+            "id": p.id,
+            "service": p.service,
+            "age_s": round(p.age_s, 1) if p.age_s is not None else None,
+            "alive": p.alive,
+            "state": p.state,
+            "fields": p.fields(),
+        }
         for p in snap.processes
-    ]  # fmt: skip
+    ]
 
 
 def _versions(versions: runstate.VersionsState) -> dict[str, Any]:
@@ -63,10 +75,16 @@ def _versions(versions: runstate.VersionsState) -> dict[str, Any]:
 
 def reward_points(points: list[Any]) -> list[dict[str, Any]]:
     return [
-        {"version": p.version, "mode": p.mode, "mean": p.mean, "count": p.count, "group_id": p.group_id,
-         "time": _finite(p.time)}
+        {
+            "version": p.version,
+            "mode": p.mode,
+            "mean": p.mean,
+            "count": p.count,
+            "group_id": p.group_id,
+            "time": _finite(p.time),
+        }
         for p in points
-    ]  # fmt: skip
+    ]
 
 
 def _metrics(metrics: runstate.MetricsState) -> dict[str, Any]:
@@ -80,9 +98,14 @@ def _metrics(metrics: runstate.MetricsState) -> dict[str, Any]:
 
 def _events(snap: runstate.RunSnapshot) -> list[dict[str, Any]]:
     return [
-        {"time": e.time, "service": e.service, "name": e.name, "fields": json.loads(json.dumps(e.fields, default=str))}
+        {
+            "time": e.time,
+            "service": e.service,
+            "name": e.name,
+            "fields": json.loads(json.dumps(e.fields, default=str)),
+        }
         for e in snap.events
-    ]  # fmt: skip
+    ]
 
 
 def render(snap: runstate.RunSnapshot) -> dict[str, Any]:

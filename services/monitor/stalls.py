@@ -58,12 +58,15 @@ class Thresholds:
         """From a RunConfig: its [alerts] section and the scheduler's staleness and timeout."""
         alerts = config.alerts
         return cls(
-            step_stall_s=alerts.step_stall_s, slow_group_factor=alerts.slow_group_factor,
+            step_stall_s=alerts.step_stall_s,
+            slow_group_factor=alerts.slow_group_factor,
             slow_group_min_s=alerts.slow_group_min_s,
             attempt_stuck_s=alerts.attempt_stuck_s or config.scheduler.task_timeout_s + 30.0,
-            max_staleness=config.scheduler.max_staleness, node_stale_s=alerts.node_stale_s,
-            deadletter_window_s=alerts.deadletter_window_s, deadletter_min=alerts.deadletter_min,
-        )  # fmt: skip
+            max_staleness=config.scheduler.max_staleness,
+            node_stale_s=alerts.node_stale_s,
+            deadletter_window_s=alerts.deadletter_window_s,
+            deadletter_min=alerts.deadletter_min,
+        )
 
 
 @dataclass(frozen=True)
@@ -125,10 +128,17 @@ def trainer_stalled(r: redis.Redis, keys: Keys, t: Thresholds, now: float) -> li
     if stalled < t.step_stall_s:
         return []
     said = f"step {step}" if step is not None else "no step yet"
-    return [Stall("trainer_stalled", "trainer",
-                  f"the trainer has made no step for {stalled:.0f}s ({said}) while trajectories wait for it "
-                  f"since {now - waiting_since:.0f}s: is it paused, stuck loading, or out of memory? "
-                  "(its log, `squall status` processes)", stalled, stalled)]  # fmt: skip
+    return [
+        Stall(
+            "trainer_stalled",
+            "trainer",
+            f"the trainer has made no step for {stalled:.0f}s ({said}) while trajectories wait for it "
+            f"since {now - waiting_since:.0f}s: is it paused, stuck loading, or out of memory? "
+            "(its log, `squall status` processes)",
+            stalled,
+            stalled,
+        )
+    ]
 
 
 def group_slow(r: redis.Redis, keys: Keys, t: Thresholds, now: float) -> list[Stall]:
@@ -154,15 +164,18 @@ def group_slow(r: redis.Redis, keys: Keys, t: Thresholds, now: float) -> list[St
             "(`squall peek tasks`, the runners' logs)",
             age,
             age,
-        )  # fmt: skip
+        )
         for group_id, age in sorted(ages.items())
         if age > bound
     ]
 
 
 def runner_stuck(r: redis.Redis, keys: Keys, t: Thresholds, now: float) -> list[Stall]:
-    alive = {name.split(":", 1)[1] for name, beat, _ in read_heartbeats(r, keys)
-             if name.startswith("runner:") and is_alive(beat, now)}  # fmt: skip
+    alive = {
+        name.split(":", 1)[1]
+        for name, beat, _ in read_heartbeats(r, keys)
+        if name.startswith("runner:") and is_alive(beat, now)
+    }
     if not alive:
         return []
     try:
@@ -183,7 +196,7 @@ def runner_stuck(r: redis.Redis, keys: Keys, t: Thresholds, now: float) -> list[
             f"{count} held): its agent or reward is hung, or the runner cannot finish it (its log)",
             age,
             age,
-        )  # fmt: skip
+        )
         for runner, (age, count) in sorted(oldest.items())
         if runner in alive and age > t.attempt_stuck_s
     ]
@@ -217,10 +230,17 @@ def node_stale(r: redis.Redis, keys: Keys, t: Thresholds, now: float) -> list[St
         since = now - published.get(first_missed, now - t.node_stale_s)  # unknown: already long enough
         if since < t.node_stale_s:
             continue
-        stalls.append(Stall("node_stale", node,
-                            f"inference node {node} serves v{versions[name]}, {gap} behind the trainer's "
-                            f"v{trainer} (bound {t.max_staleness}) for {since:.0f}s: its reload fails or it "
-                            "does not follow `weights` (its log, `squall peek weights:applied`)", since, gap))  # fmt: skip
+        stalls.append(
+            Stall(
+                "node_stale",
+                node,
+                f"inference node {node} serves v{versions[name]}, {gap} behind the trainer's "
+                f"v{trainer} (bound {t.max_staleness}) for {since:.0f}s: its reload fails or it "
+                "does not follow `weights` (its log, `squall peek weights:applied`)",
+                since,
+                gap,
+            )
+        )
     return stalls
 
 
@@ -237,9 +257,16 @@ def deadletters_rising(r: redis.Redis, keys: Keys, t: Thresholds, now: float) ->
     before = _count_between(r, keys.deadletter, now - 2 * window, now - window - 0.001)
     if recent < t.deadletter_min or recent <= before:
         return []
-    return [Stall("deadletters_rising", "deadletter",
-                  f"{recent} dead letters in the last {window:.0f}s, up from {before} the {window:.0f}s before: "
-                  "read their reasons (`squall peek deadletter`)", window, recent)]  # fmt: skip
+    return [
+        Stall(
+            "deadletters_rising",
+            "deadletter",
+            f"{recent} dead letters in the last {window:.0f}s, up from {before} the {window:.0f}s before: "
+            "read their reasons (`squall peek deadletter`)",
+            window,
+            recent,
+        )
+    ]
 
 
 DETECTORS = (trainer_stalled, group_slow, runner_stuck, node_stale, deadletters_rising)
@@ -294,8 +321,9 @@ class StallWatch:
         for key, stall in self.active.items():
             if key not in found:
                 lasted = round(now - self.started.pop(key, now), 3)
-                report.event(self.r, self.keys, "stall_cleared", kind=stall.kind, subject=stall.subject,
-                             seconds=lasted)  # fmt: skip
+                report.event(
+                    self.r, self.keys, "stall_cleared", kind=stall.kind, subject=stall.subject, seconds=lasted
+                )
                 self.log.info("stall_cleared", kind=stall.kind, subject=stall.subject, seconds=lasted)
         self.active = found
         return list(found.values())

@@ -84,9 +84,11 @@ def render(status: dict[str, Any]) -> str:
     )
     end = status.get("end") or {}
     if end.get("scheduler_at") is not None:
-        answer = "training what it holds" if end.get("trainer_version") is None else (
-            f"last version v{end['trainer_version']} (step {end['trainer_step']})"
-        )  # fmt: skip
+        answer = (
+            "training what it holds"
+            if end.get("trainer_version") is None
+            else (f"last version v{end['trainer_version']} (step {end['trainer_step']})")
+        )
         lines.append(f"end        data ran out ({end['samples']} samples); trainer: {answer}")
     lines.append("rewards    " + ("(none yet)" if not status["recent_rewards"] else ""))
     for p in status["recent_rewards"]:

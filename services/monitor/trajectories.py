@@ -76,8 +76,9 @@ class TrajectoryView:
     """Attempts of one run: `r`/`keys` for the live stream and ledger (None: the run folder
     only), `run_dir` for the kept sample, `model_dir` for the tokenizer (None: ids only)."""
 
-    def __init__(self, r: Any, keys: Any, run_dir: str | None, model_dir: str | None,
-                 advantage: str = "grpo") -> None:  # fmt: skip
+    def __init__(
+        self, r: Any, keys: Any, run_dir: str | None, model_dir: str | None, advantage: str = "grpo"
+    ) -> None:
         self.r, self.keys, self.run_dir, self.advantage = r, keys, run_dir, advantage
         self.text = _decoder(model_dir)
         self.model_dir = model_dir
@@ -94,11 +95,21 @@ class TrajectoryView:
     def _row(self, rollout: Rollout, ledger: str | None) -> dict[str, Any]:
         t = rollout.trajectory
         return {
-            "key": t.key, "group_id": t.group_id, "index": t.index, "group_size": t.group_size, "mode": t.mode,
-            "version": rollout.version, "status": t.status, "reward": t.reward, "ledger": ledger,
-            "turns": len(t.turns), "runner": t.runner_id, "finished_at": t.finished_at, "source": rollout.source,
+            "key": t.key,
+            "group_id": t.group_id,
+            "index": t.index,
+            "group_size": t.group_size,
+            "mode": t.mode,
+            "version": rollout.version,
+            "status": t.status,
+            "reward": t.reward,
+            "ledger": ledger,
+            "turns": len(t.turns),
+            "runner": t.runner_id,
+            "finished_at": t.finished_at,
+            "source": rollout.source,
             "error": (t.error or "")[:200],
-        }  # fmt: skip
+        }
 
     def list(self, filters: Filters = Filters(), limit: int = LIST_LIMIT) -> dict[str, Any]:
         rollouts = self.rollouts()
@@ -107,12 +118,14 @@ class TrajectoryView:
         kept = [row for row in rows if filters.keep(row)]
         kept.reverse()  # newest first
         return {
-            "total": len(rows), "matched": len(kept), "rows": kept[:limit],
+            "total": len(rows),
+            "matched": len(kept),
+            "rows": kept[:limit],
             "versions": sorted({row["version"] for row in rows}),
             "ledger_states": sorted({row["ledger"] for row in rows if row["ledger"]}),
             "sources": {s: sum(1 for row in rows if row["source"] == s) for s in ("kept", "live")},
             "decoded": self.text is not None,
-        }  # fmt: skip
+        }
 
     def _find(self, key: str, rollouts: list[Rollout]) -> Rollout:
         found = next((x for x in rollouts if x.key == key), None)
@@ -146,17 +159,28 @@ class TrajectoryView:
             new_prompt = prompt[len(previous) :] if grew else prompt
             response_text = self._decode(response)
             logprobs = turn.logprobs
-            out.append({
-                "index": i, "agent": turn.agent, "model": turn.model, "trained": turn.trained,
-                "version": turn.version, "node": turn.node, "latency_s": turn.latency_s,
-                "finish_reason": turn.finish_reason, "prompt_tokens": len(prompt), "response_tokens": len(response),
-                "loss_tokens": len(response) if turn.trained else 0,
-                "mean_logprob": float(logprobs.mean()) if logprobs.size else None,
-                "prompt_continues": grew, "new_prompt_text": self._decode(new_prompt),
-                "prompt_text": self._decode(prompt), "response_text": response_text,
-                "tool_calls": _tool_calls(response_text),
-                **({} if self.text is not None else {"prompt_ids": prompt, "response_ids": response}),
-            })  # fmt: skip
+            out.append(
+                {
+                    "index": i,
+                    "agent": turn.agent,
+                    "model": turn.model,
+                    "trained": turn.trained,
+                    "version": turn.version,
+                    "node": turn.node,
+                    "latency_s": turn.latency_s,
+                    "finish_reason": turn.finish_reason,
+                    "prompt_tokens": len(prompt),
+                    "response_tokens": len(response),
+                    "loss_tokens": len(response) if turn.trained else 0,
+                    "mean_logprob": float(logprobs.mean()) if logprobs.size else None,
+                    "prompt_continues": grew,
+                    "new_prompt_text": self._decode(new_prompt),
+                    "prompt_text": self._decode(prompt),
+                    "response_text": response_text,
+                    "tool_calls": _tool_calls(response_text),
+                    **({} if self.text is not None else {"prompt_ids": prompt, "response_ids": response}),
+                }
+            )
             previous = prompt + response
         return out
 
@@ -169,13 +193,24 @@ class TrajectoryView:
         rewards = [m.trajectory.reward for m in members if m.trajectory.reward is not None]
         return {
             **self._row(rollout, self._ledger_states([key])[key]),
-            "task_id": t.task_id, "sample_id": t.sample_id, "attempt": t.attempt, "min_version": t.min_version,
-            "timings": t.timings, "final_answer": t.final_answer, "error": t.error, "payload": rollout.payload,
-            "entry": rollout.entry, "decoded": self.text is not None,
-            "group": {"members_found": len(members), "mean_reward": sum(rewards) / len(rewards) if rewards else None,
-                      "advantage": advantages.get(key), "estimator": self.advantage},
+            "task_id": t.task_id,
+            "sample_id": t.sample_id,
+            "attempt": t.attempt,
+            "min_version": t.min_version,
+            "timings": t.timings,
+            "final_answer": t.final_answer,
+            "error": t.error,
+            "payload": rollout.payload,
+            "entry": rollout.entry,
+            "decoded": self.text is not None,
+            "group": {
+                "members_found": len(members),
+                "mean_reward": sum(rewards) / len(rewards) if rewards else None,
+                "advantage": advantages.get(key),
+                "estimator": self.advantage,
+            },
             "turns": self._turns(t),
-        }  # fmt: skip
+        }
 
     def group(self, group_id: str) -> dict[str, Any]:
         rollouts = self.rollouts()
@@ -189,8 +224,14 @@ class TrajectoryView:
         for m in sorted(members, key=lambda x: (x.trajectory.index, x.trajectory.attempt)):
             turns = m.trajectory.turns
             last = self._decode(turns[-1].response_tokens) if turns else None
-            rows.append({**self._row(m, states[m.key]), "advantage": advantages.get(m.key),
-                         "final_answer": m.trajectory.final_answer, "last_response": last})  # fmt: skip
+            rows.append(
+                {
+                    **self._row(m, states[m.key]),
+                    "advantage": advantages.get(m.key),
+                    "final_answer": m.trajectory.final_answer,
+                    "last_response": last,
+                }
+            )
         return {"group_id": group_id, "estimator": self.advantage, "members": rows}
 
 

@@ -59,10 +59,14 @@ def add_viewer_routes(
         def read() -> dict[str, Any]:
             q = request.query_params
             filters = Filters(
-                version=_number(request, "version", int), group=q.get("group") or None,
-                status=q.get("status") or None, ledger=q.get("ledger") or None, mode=q.get("mode") or None,
-                min_reward=_number(request, "min_reward", float), max_reward=_number(request, "max_reward", float),
-            )  # fmt: skip
+                version=_number(request, "version", int),
+                group=q.get("group") or None,
+                status=q.get("status") or None,
+                ledger=q.get("ledger") or None,
+                mode=q.get("mode") or None,
+                min_reward=_number(request, "min_reward", float),
+                max_reward=_number(request, "max_reward", float),
+            )
             limit = _number(request, "limit", int) or LIST_LIMIT
             return view.list(filters, min(limit, LIST_LIMIT))
 

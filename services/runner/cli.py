@@ -4,29 +4,30 @@ from __future__ import annotations
 
 import argparse
 
-from squall.shared.cliargs import add_common_arguments
+from squall.shared.cliargs import add_common_arguments, add_field_flag
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser)
     agent = parser.add_mutually_exclusive_group()
-    agent.add_argument(
-        "--agent", metavar="MODULE:FUNCTION", help="Python agent, async or sync (runner.agent)"
-    )
-    agent.add_argument("--agent-cmd", metavar="CMD", help="external agent command (runner.agent_cmd)")
-    parser.add_argument("--concurrency", type=int, metavar="K", help="attempts at once (runner.concurrency)")
-    parser.add_argument(
-        "--reward-fn", metavar="MODULE:FUNCTION", help="reward(task, final_answer) (runner.reward_fn)"
-    )
-    parser.add_argument(
-        "--inference-url", action="append", metavar="URL", help="policy inference node (repeat for several)"
+    add_field_flag(agent, "--agent", "runner.agent", metavar="MODULE:FUNCTION")
+    add_field_flag(agent, "--agent-cmd", "runner.agent_cmd", metavar="CMD")
+    add_field_flag(parser, "--concurrency", "runner.concurrency", metavar="K")
+    add_field_flag(parser, "--reward-fn", "runner.reward_fn", metavar="MODULE:FUNCTION")
+    add_field_flag(
+        parser,
+        "--inference-url",
+        "runner.inference_urls",
+        action="append",
+        metavar="URL",
+        help="policy inference node (repeat for several)",
     )
 
 
 def main(args: argparse.Namespace) -> int:
     import asyncio
 
-    from squall.shared.cliargs import config_from_args
+    from squall.shared.cliargs import config_from_args, field_flags
     from squall.shared.errors import RedisUnavailable
     from squall.shared.logs import configure_logging, get_logger
     from squall.shared.redisconn import connect
@@ -34,15 +35,10 @@ def main(args: argparse.Namespace) -> int:
     from .agents import make_agent
     from .runner import Runner
 
-    runner_fields = {
-        "agent": args.agent,
-        "agent_cmd": args.agent_cmd,
-        "concurrency": args.concurrency,
-        "reward_fn": args.reward_fn,
-        "inference_urls": args.inference_url,
-    }
-    if args.agent or args.agent_cmd:  # a flag replaces the config's choice entirely
-        runner_fields["agent" if args.agent_cmd else "agent_cmd"] = ""
+    runner_fields = {}
+    given = field_flags(args).get("runner", {})
+    if given.get("agent") or given.get("agent_cmd"):  # a flag replaces the config's choice entirely
+        runner_fields["agent" if given.get("agent_cmd") else "agent_cmd"] = ""
     config = config_from_args(args, runner=runner_fields)
     configure_logging("runner", config.run.name, level=config.run.log_level)
     agent = make_agent(config.runner.agent, config.runner.agent_cmd)

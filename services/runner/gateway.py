@@ -125,11 +125,14 @@ class Gateway:
         self._serve_task: asyncio.Task | None = None
 
     # --- attempts ------------------------------------------------------------------------
-    def open(self, key: str, min_version: int = 0) -> Attempt:
+    def open(self, key: str, min_version: int = 0, group_id: str | None = None) -> Attempt:
+        """A new attempt `key` of group `group_id` (default: read from the key, for callers
+        that have no Task at hand)."""
         attempt = Attempt(token=secrets.token_hex(12), key=key, min_version=min_version)
         section = self.section
         if section.opponent_fraction > 0:
-            seats = opponent_seats(section.seats, section.opponent_fraction, group_of(key))
+            group = group_id if group_id is not None else group_of(key)
+            seats = opponent_seats(section.seats, section.opponent_fraction, group)
             attempt.seat_models = dict.fromkeys(seats, section.opponent_model)
         self.attempts[attempt.token] = attempt
         return attempt
@@ -237,9 +240,10 @@ class Gateway:
             return _error(400, f"{problem}; build the URL with llm.agent_url(name)")
         if self.section.seats and agent != "main" and agent not in self.section.seats:
             return _error(
-                404, f"agent {agent!r} is not one of runner.seats {self.section.seats}; "
+                404,
+                f"agent {agent!r} is not one of runner.seats {self.section.seats}; "
                 "use one of those names in the agent URL, or add the seat",
-            )  # fmt: skip
+            )
         asked_model = str(body.get("model") or self.policy_model)
         model = attempt.seat_models.get(agent, asked_model)  # an opponent seat plays the opponent
         frozen_url = self.frozen.get(model)

@@ -29,6 +29,7 @@ runner's XAUTOCLAIM takes them), exit 0.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -58,6 +59,7 @@ from .gateway import Gateway
 from .trainwatch import TrainAgentsWatch
 
 READ_BLOCK_MS = 1000  # longest XREADGROUP block: how soon the fetch loop notices a stop
+FULL_WAIT_S = 1.0  # longest wait for a free slot when all are busy (also how soon it notices a stop)
 REDIS_RETRY_S = 1.0  # pause of a loop after a Redis command error (not an outage) before it retries
 
 # KEYS: tasks, trajectories, attempts, ledger. ARGV: group, consumer, entry id, trajectory
@@ -118,14 +120,16 @@ class Runner:
         self.tracer = tracer_for(config, "runner", metrics=REGISTRY)
         self._finish = r.register_script(_FINISH)
         self.heartbeat = HeartbeatWriter(r, self.keys, "runner", self.id, every_s=self.section.heartbeat_s)
-        self.outage = RedisOutage(config.run.redis_url, config.run.redis_outage_s, log=self.log,
-                                  on_outage=self._count_outage)  # fmt: skip
+        self.outage = RedisOutage(
+            config.run.redis_url, config.run.redis_outage_s, log=self.log, on_outage=self._count_outage
+        )
         self._outage_wait: asyncio.Future | None = None  # the one wait every loop shares
         self.fatal: RedisUnavailable | None = None  # Redis stayed away past the deadline
         self.seen_version = -1  # newest weight version seen in a trajectory's turns
         self.train_watch = TrainAgentsWatch(self.section.train_agents, self.section.train_agents_check_after)
         self.running: dict[str, Running] = {}  # entry id -> attempt
         self.stopping = asyncio.Event()
+        self.slot_freed = asyncio.Event()  # set when an attempt ends: the fetch loop may read again
         self.counts = {
             "ok": 0,
             "failed": 0,
@@ -147,14 +151,24 @@ class Runner:
             loop.add_signal_handler(sig, self.stopping.set)
         port = await self.gateway.start()
         health, metrics_port = start_health_server(
-            self.section.gateway_host, self.section.metrics_port, ready=lambda: not self.stopping.is_set(),
-            api_key=self.section.api_key, info=lambda: {"runner_id": self.id, "busy": len(self.running)},
-        )  # fmt: skip
+            self.section.gateway_host,
+            self.section.metrics_port,
+            ready=lambda: not self.stopping.is_set(),
+            api_key=self.section.api_key,
+            info=lambda: {"runner_id": self.id, "busy": len(self.running)},
+        )
         self.metrics_port = metrics_port
-        self.log.info("runner_started", agent=self.agent.spec, slots=self.section.concurrency, gateway_port=port,
-                      metrics_port=metrics_port)  # fmt: skip
-        loops = [asyncio.create_task(self._fatal_on_outage(loop()))
-                 for loop in (self._fetch_loop, self._lease_loop, self._heartbeat_loop)]  # fmt: skip
+        self.log.info(
+            "runner_started",
+            agent=self.agent.spec,
+            slots=self.section.concurrency,
+            gateway_port=port,
+            metrics_port=metrics_port,
+        )
+        loops = [
+            asyncio.create_task(self._fatal_on_outage(loop()))
+            for loop in (self._fetch_loop, self._lease_loop, self._heartbeat_loop)
+        ]
         await self.stopping.wait()
         started = time.monotonic()
         self.log.info("runner_stopping", in_flight=len(self.running), grace_s=self.section.grace_s)
@@ -243,8 +257,10 @@ class Runner:
     async def _fetch_once(self) -> None:
         lease_ms = int(self.section.lease_s * 1000)
         free = self.section.concurrency - len(self.running)
-        if free <= 0:
-            await asyncio.sleep(0.005)
+        if free <= 0:  # every slot busy: wait for one to free up (or the deadline), never spin
+            self.slot_freed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.slot_freed.wait(), FULL_WAIT_S)
             return
         deliveries: list[bus.Delivery] = []
         if time.monotonic() - self._last_reclaim > self.section.lease_s / 2:
@@ -261,7 +277,11 @@ class Runner:
                 continue
             job = asyncio.create_task(self._fatal_on_outage(self._attempt(delivery)))
             self.running[delivery.entry_id] = Running(delivery.message, delivery.entry_id, job)
-            job.add_done_callback(lambda _, e=delivery.entry_id: self.running.pop(e, None))
+            job.add_done_callback(lambda _, e=delivery.entry_id: self._attempt_ended(e))
+
+    def _attempt_ended(self, entry_id: str) -> None:
+        self.running.pop(entry_id, None)
+        self.slot_freed.set()
 
     async def _lease_loop(self) -> None:
         while True:
@@ -288,17 +308,25 @@ class Runner:
 
     async def _heartbeat_once(self) -> None:
         await asyncio.to_thread(
-            self.heartbeat.beat, force=True, version=self.seen_version, metrics_port=self.metrics_port,
-            slots=self.section.concurrency, busy=len(self.running), gateway_port=self.gateway.port, **self.counts,
-        )  # fmt: skip
+            self.heartbeat.beat,
+            force=True,
+            version=self.seen_version,
+            metrics_port=self.metrics_port,
+            slots=self.section.concurrency,
+            busy=len(self.running),
+            gateway_port=self.gateway.port,
+            **self.counts,
+        )
 
     # --- one attempt ----------------------------------------------------------------------
     async def _attempt(self, delivery: bus.Delivery) -> None:
         task: schemas.Task = delivery.message
         taken = time.time()
         if delivery.deliveries > self.section.max_deliveries:
-            error = (f"delivered {delivery.deliveries} times without finishing (lease of {self.section.lease_s}s "
-                     "lapsed each time: runners died or hung on it); giving up on this attempt")  # fmt: skip
+            error = (
+                f"delivered {delivery.deliveries} times without finishing (lease of {self.section.lease_s}s "
+                "lapsed each time: runners died or hung on it); giving up on this attempt"
+            )
             await self._publish(delivery, self._trajectory(task, "failed", error=error), taken)
             return
         state = await self._call("attempt", self.ledger.state_of, task.key)
@@ -313,13 +341,16 @@ class Runner:
             error = f"deadline passed {-remaining:.1f}s before the attempt started (waited in the queue)"
             await self._publish(delivery, self._trajectory(task, "timeout", error=error), taken)
             return
-        attempt = self.gateway.open(task.key, task.min_version)
+        attempt = self.gateway.open(task.key, task.min_version, task.group_id)
         root = self.gateway.base_url(attempt.token).removesuffix("/v1")
         trace_id, span_id = attempt_ids(self.keys.run, task.key)
         llm = LLM(
-            base_url=f"{root}/v1", model=self.config.model.name, api_key=f"squall-{attempt.token}", _root=root,
+            base_url=f"{root}/v1",
+            model=self.config.model.name,
+            api_key=f"squall-{attempt.token}",
+            _root=root,
             traceparent=traceparent(trace_id, span_id) if self.tracer.enabled else "",
-        )  # fmt: skip
+        )
         began = time.time()
         if self.tracer.enabled:
             attempt.trace_parent = lambda i: traceparent(trace_id, call_span_id(self.keys.run, task.key, i))
@@ -350,8 +381,15 @@ class Runner:
         agent_s = time.perf_counter() - agent_started
         self.gateway.close(attempt.token)
         timings = {"queue": max(0.0, taken - task.created_at), "agent": agent_s, "llm": attempt.llm_s}
-        trajectory = self._trajectory(task, status, reward=reward, error=error, turns=attempt.turns,
-                                      timings=timings, final_answer=attempt.final_answer)  # fmt: skip
+        trajectory = self._trajectory(
+            task,
+            status,
+            reward=reward,
+            error=error,
+            turns=attempt.turns,
+            timings=timings,
+            final_answer=attempt.final_answer,
+        )
         self.tracer.attempt(trajectory, began, time.time(), attempt.call_starts)
         await self._publish(delivery, trajectory, taken)
 
@@ -375,16 +413,21 @@ class Runner:
         """Record a `train_agents` entry that no call used, once per run; the runner whose record
         went in logs it (a Redis that refuses the record still gets it logged here)."""
         for name in self.train_watch.observe(turns):
-            warning = RunWarning(TRAIN_AGENT_UNUSED, name, self.train_watch.message(name),
-                                 time.time(), f"runner:{self.id}")  # fmt: skip
+            warning = RunWarning(
+                TRAIN_AGENT_UNUSED, name, self.train_watch.message(name), time.time(), f"runner:{self.id}"
+            )
             try:
                 first = await self._call("warnings", record_once, self.r, self.keys, warning)
             except redis.RedisError as exc:
                 first = True
                 self.log.warning("warning_not_recorded", error=str(exc))
             if first:
-                self.log.warning("train_agent_unused", agent=name, attempts=self.train_watch.attempts,
-                                 message=warning.message)  # fmt: skip
+                self.log.warning(
+                    "train_agent_unused",
+                    agent=name,
+                    attempts=self.train_watch.attempts,
+                    message=warning.message,
+                )
 
     def _trajectory(self, task: schemas.Task, status: str, **fields: Any) -> schemas.Trajectory:
         return schemas.Trajectory(
@@ -427,9 +470,16 @@ class Runner:
         self._observe(trajectory, taken)
         await self._warn_unused_train_agents(trajectory.turns)
         level = self.log.info if trajectory.status == "ok" else self.log.warning
-        level("attempt_finished", task_id=trajectory.task_id, attempt=trajectory.attempt, status=trajectory.status,
-              reward=trajectory.reward, turns=len(trajectory.turns), error=trajectory.error,
-              seconds=round(time.time() - taken, 4))  # fmt: skip
+        level(
+            "attempt_finished",
+            task_id=trajectory.task_id,
+            attempt=trajectory.attempt,
+            status=trajectory.status,
+            reward=trajectory.reward,
+            turns=len(trajectory.turns),
+            error=trajectory.error,
+            seconds=round(time.time() - taken, 4),
+        )
 
 
 class _Pinger:

@@ -5,16 +5,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from squall.shared.cliargs import add_common_arguments
+from squall.shared.cliargs import add_common_arguments, add_field_flag
 
 EXIT_REDIS_UNAVAILABLE = 3  # Redis did not answer (at start, or within run.redis_outage_s)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser)
-    parser.add_argument("--dataset", help="training data, .jsonl or .parquet (overrides scheduler.dataset)")
-    parser.add_argument("--group-size", type=int, help="attempts per sample (overrides scheduler.group_size)")
-    parser.add_argument("--epochs", type=int, help="passes over the data (overrides scheduler.epochs)")
+    add_field_flag(parser, "--dataset", "scheduler.dataset")
+    add_field_flag(parser, "--group-size", "scheduler.group_size")
+    add_field_flag(parser, "--epochs", "scheduler.epochs")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -25,9 +25,7 @@ def main(args: argparse.Namespace) -> int:
 
     from .scheduler import Scheduler
 
-    config = config_from_args(
-        args, scheduler={"dataset": args.dataset, "group_size": args.group_size, "epochs": args.epochs}
-    )
+    config = config_from_args(args)
     configure_logging("scheduler", config.run.name, level=config.run.log_level)
     try:
         r = connect(config.run.redis_url, autostart=config.run.autostart_redis)

@@ -29,8 +29,9 @@ def apply_action(cursor: Cursor, control: schemas.Control) -> None:
     elif control.action == "limits":
         if "max_inflight_groups" in control.limits:
             cursor.max_inflight_groups = max(1, int(control.limits["max_inflight_groups"]))
-        if "max_staleness" in control.limits:
-            cursor.max_staleness = max(0, int(control.limits["max_staleness"]))
+        for name in ("max_dispatch_lag", "max_staleness"):  # the config's name, and its old one
+            if name in control.limits:
+                cursor.max_staleness = max(0, int(control.limits[name]))
 
 
 def apply_control(r: redis.Redis, keys: Keys, cursor: Cursor, log) -> int:

@@ -49,8 +49,11 @@ class Ending:
         if expected and waited < self.section.end_wait_s:
             return None
         dataend.settle_unconfirmed(self.r, self.keys, newest)
-        reason = f"no answer from the trainer within end_wait_s={self.section.end_wait_s:g}" if expected \
-            else "no trainer to wait for"  # fmt: skip
+        reason = (
+            f"no answer from the trainer within end_wait_s={self.section.end_wait_s:g}"
+            if expected
+            else "no trainer to wait for"
+        )
         report.event(
             self.r, self.keys, "end_unconfirmed", version=newest, reason=reason, waited_s=round(waited, 1)
         )

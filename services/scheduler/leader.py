@@ -91,8 +91,9 @@ class Leadership:
 
     def others(self) -> Others:
         beats = read_heartbeats(self.r, self.keys)
-        found = classify_others(beats, self.own_field, socket.gethostname(), time.time(), self.standby_after_s,
-                                pid_alive)  # fmt: skip
+        found = classify_others(
+            beats, self.own_field, socket.gethostname(), time.time(), self.standby_after_s, pid_alive
+        )
         if found.dead:
             self.r.hdel(self.keys.heartbeats, *found.dead)
         return found

@@ -104,8 +104,13 @@ class Outcomes:
         self.ledger.apply("retry", [traj.key], pipe=pipe)
         group.attempts[traj.index] = traj.attempt + 1
         self.dispatcher.queue(pipe, group, [traj.index], version)
-        self.log.info("attempt_retried", task_id=traj.task_id, attempt=traj.attempt + 1, status=traj.status,
-                      error=traj.error)  # fmt: skip
+        self.log.info(
+            "attempt_retried",
+            task_id=traj.task_id,
+            attempt=traj.attempt + 1,
+            status=traj.status,
+            error=traj.error,
+        )
 
     def _give_up(
         self, pipe: redis.client.Pipeline, group: Group, traj: schemas.Trajectory, entry_id: str
@@ -114,8 +119,16 @@ class Outcomes:
         self.ledger.apply("give_up", [traj.key], pipe=pipe)
         attempts = self.section.max_attempts
         reason = f"{traj.task_id}: {traj.status} in all {attempts} attempts; last error: {traj.error}"
-        bus.dead_letter(self.r, self.keys.deadletter, source=self.keys.trajectories, entry_id=entry_id,
-                        reason=reason, raw=schemas.encode(traj), group=GROUP_SCHEDULER, pipe=pipe)  # fmt: skip
+        bus.dead_letter(
+            self.r,
+            self.keys.deadletter,
+            source=self.keys.trajectories,
+            entry_id=entry_id,
+            reason=reason,
+            raw=schemas.encode(traj),
+            group=GROUP_SCHEDULER,
+            pipe=pipe,
+        )
         self.log.warning("attempt_deadlettered", task_id=traj.task_id, attempts=attempts, error=traj.error)
 
     def _settle(self, pipe: redis.client.Pipeline, group: Group, cursor: Cursor) -> None:
@@ -126,10 +139,17 @@ class Outcomes:
         if group.mode == "val":
             cursor.val_sum += sum(rewards)
             cursor.val_count += len(rewards)
-            pipe.hset(self.keys.scheduler_state, mapping={"val_sum": str(cursor.val_sum),
-                                                          "val_count": str(cursor.val_count)})  # fmt: skip
+            pipe.hset(
+                self.keys.scheduler_state,
+                mapping={"val_sum": str(cursor.val_sum), "val_count": str(cursor.val_count)},
+            )
         elif rewards:
-            point = schemas.RewardPoint(run=self.keys.run, version=group.version, mode="train",
-                                        mean=sum(rewards) / len(rewards), count=len(rewards),
-                                        group_id=group.group_id)  # fmt: skip
+            point = schemas.RewardPoint(
+                run=self.keys.run,
+                version=group.version,
+                mode="train",
+                mean=sum(rewards) / len(rewards),
+                count=len(rewards),
+                group_id=group.group_id,
+            )
             report.reward(pipe, self.keys, point)

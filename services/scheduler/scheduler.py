@@ -132,8 +132,14 @@ class Scheduler:
 
     def _attach(self) -> None:
         # One scheduler per run: a stable consumer name lets a restart resume its PEL.
-        self.consumer = bus.GroupConsumer(self.r, self.keys.trajectories, GROUP_SCHEDULER, "scheduler",
-                                          kind=schemas.Trajectory, deadletter_stream=self.keys.deadletter)  # fmt: skip
+        self.consumer = bus.GroupConsumer(
+            self.r,
+            self.keys.trajectories,
+            GROUP_SCHEDULER,
+            "scheduler",
+            kind=schemas.Trajectory,
+            deadletter_stream=self.keys.deadletter,
+        )
         bus.ensure_group(self.r, self.keys.tasks, GROUP_RUNNERS)
         self._load_state()
 
@@ -169,8 +175,12 @@ class Scheduler:
         if not self.leadership.acquire(stopped, announce):
             return False
         self._load_state()
-        self.log.info("scheduler_leading", leader_epoch=self.token, waited_s=round(time.monotonic() - waited, 3),
-                      open_groups=len(self.groups))  # fmt: skip
+        self.log.info(
+            "scheduler_leading",
+            leader_epoch=self.token,
+            waited_s=round(time.monotonic() - waited, 3),
+            open_groups=len(self.groups),
+        )
         return True
 
     # --- data and admission -------------------------------------------------------------
@@ -189,9 +199,13 @@ class Scheduler:
 
     @property
     def exhausted(self) -> bool:
-        return admission.exhausted(samples=self.cursor.samples, max_samples=self.section.max_samples,
-                                   epoch=self.cursor.epoch, epochs=self.section.epochs,
-                                   train_rows=len(self.splits.train))  # fmt: skip
+        return admission.exhausted(
+            samples=self.cursor.samples,
+            max_samples=self.section.max_samples,
+            epoch=self.cursor.epoch,
+            epochs=self.section.epochs,
+            train_rows=len(self.splits.train),
+        )
 
     def trainer_version(self) -> int:
         raw = self.r.hget(self.keys.versions, "trainer")
@@ -199,13 +213,16 @@ class Scheduler:
 
     @property
     def max_inflight(self) -> int:
-        return admission.inflight_limit(self.section.max_inflight_groups, self.cursor.max_inflight_groups,
-                                        self.section.hold_until_trained,
-                                        self.config.trainer.groups_per_step)  # fmt: skip
+        return admission.inflight_limit(
+            self.section.max_inflight_groups,
+            self.cursor.max_inflight_groups,
+            self.section.hold_until_trained,
+            self.config.trainer.groups_per_step,
+        )
 
     @property
     def max_staleness(self) -> int:
-        return admission.staleness_limit(self.section.max_staleness, self.cursor.max_staleness)
+        return admission.staleness_limit(self.section.max_dispatch_lag, self.cursor.max_staleness)
 
     def admits(self, version: int) -> bool:
         """May one more training group go out now? (see admission.admits)"""
@@ -240,9 +257,12 @@ class Scheduler:
         (validation.val_round_due), then only the end round (validation.end_round_due)."""
         if self.cursor.paused or self.cursor.draining:
             return False
-        common = dict(val_every=self.section.val_every, has_val=bool(self.splits.val),
-                      round_open=validation.round_open(self.groups.values()),
-                      last_val_version=self.cursor.last_val_version)  # fmt: skip
+        common = dict(
+            val_every=self.section.val_every,
+            has_val=bool(self.splits.val),
+            round_open=validation.round_open(self.groups.values()),
+            last_val_version=self.cursor.last_val_version,
+        )
         at: int | None = version
         if self.exhausted:
             at = self.end_version()
@@ -305,23 +325,36 @@ class Scheduler:
         apply_control(self.r, self.keys, self.cursor, self.log)
 
     def _heartbeat(self, version: int, *, force: bool = False) -> None:
-        self.heartbeat.beat(force=force, version=version, metrics_port=self.metrics_port,
-                            open_groups=len(self.groups), epoch=self.cursor.epoch, samples=self.cursor.samples,
-                            **self.counts)  # fmt: skip
+        self.heartbeat.beat(
+            force=force,
+            version=version,
+            metrics_port=self.metrics_port,
+            open_groups=len(self.groups),
+            epoch=self.cursor.epoch,
+            samples=self.cursor.samples,
+            **self.counts,
+        )
 
     @property
     def finished(self) -> bool:
         """Drained with every group rolled out, or out of data with the end settled: the
         trainer's last version known and validated (see end_version)."""
         end_owed = self.exhausted and not self.cursor.draining and self._end_owed()
-        return admission.finished(self.groups.values(), draining=bool(self.cursor.draining),
-                                  exhausted=self.exhausted, end_owed=end_owed)  # fmt: skip
+        return admission.finished(
+            self.groups.values(),
+            draining=bool(self.cursor.draining),
+            exhausted=self.exhausted,
+            end_owed=end_owed,
+        )
 
     def _end_owed(self) -> bool:
         return validation.end_owed(
-            val_at_end=self.section.val_at_end, val_every=self.section.val_every, has_val=bool(self.splits.val),
-            last_val_version=self.cursor.last_val_version, end_version=self.end_version(),
-        )  # fmt: skip
+            val_at_end=self.section.val_at_end,
+            val_every=self.section.val_every,
+            has_val=bool(self.splits.val),
+            last_val_version=self.cursor.last_val_version,
+            end_version=self.end_version(),
+        )
 
     def step(self) -> bool:
         """One round: control, validation, dispatch, then outcomes. False once finished."""
@@ -357,8 +390,11 @@ class Scheduler:
 
         REGISTRY.register(QueueCollector(self.r, self.keys))
         REGISTRY.register(StallCollector(self.r, self.keys, self.stalls.thresholds))
-        health, self.metrics_port = start_health_server(self.section.metrics_host, self.section.metrics_port,
-                                                        info=lambda: {"open_groups": len(self.groups)})  # fmt: skip
+        health, self.metrics_port = start_health_server(
+            self.section.metrics_host,
+            self.section.metrics_port,
+            info=lambda: {"open_groups": len(self.groups)},
+        )
         try:
             return self._run()
         finally:
@@ -394,11 +430,24 @@ class Scheduler:
         self.started = time.monotonic()
         if not self.exhausted:  # data left (a resumed run, more epochs): no end is announced
             dataend.clear(self.r, self.keys)
-        self.log.info("scheduler_started", train=len(self.splits.train), val=len(self.splits.val),
-                      metrics_port=self.metrics_port, open_groups=len(self.groups), epoch=self.cursor.epoch,
-                      position=self.cursor.position, leader_epoch=self.token)  # fmt: skip
-        report.event(self.r, self.keys, "started", open_groups=len(self.groups), samples=self.cursor.samples,
-                     leader_epoch=self.token)  # fmt: skip
+        self.log.info(
+            "scheduler_started",
+            train=len(self.splits.train),
+            val=len(self.splits.val),
+            metrics_port=self.metrics_port,
+            open_groups=len(self.groups),
+            epoch=self.cursor.epoch,
+            position=self.cursor.position,
+            leader_epoch=self.token,
+        )
+        report.event(
+            self.r,
+            self.keys,
+            "started",
+            open_groups=len(self.groups),
+            samples=self.cursor.samples,
+            leader_epoch=self.token,
+        )
         for delivery in self.consumer.read(count=10_000, own_pending=True):  # left by a crash
             self.handle(delivery)
         self.lost_lead = False
@@ -413,8 +462,23 @@ class Scheduler:
         self.cursor.finished = 1
         self.r.hset(self.keys.scheduler_state, "finished", "1")
         end = {} if self.cursor.draining else {"end_version": self.end_version()}
-        report.event(self.r, self.keys, "finished", reason=reason, samples=self.cursor.samples, open_groups=len(self.groups),
-                     **end, **self.counts)  # fmt: skip
+        report.event(
+            self.r,
+            self.keys,
+            "finished",
+            reason=reason,
+            samples=self.cursor.samples,
+            open_groups=len(self.groups),
+            **end,
+            **self.counts,
+        )
         self.heartbeat.stop(open_groups=len(self.groups))
-        self.log.info("scheduler_finished", reason=reason, samples=self.cursor.samples, open_groups=len(self.groups),
-                      seconds=round(time.monotonic() - self.started, 3), **end, **self.counts)  # fmt: skip
+        self.log.info(
+            "scheduler_finished",
+            reason=reason,
+            samples=self.cursor.samples,
+            open_groups=len(self.groups),
+            seconds=round(time.monotonic() - self.started, 3),
+            **end,
+            **self.counts,
+        )

@@ -61,8 +61,13 @@ def end_round_due(
     any round still open, and not when a round already measured that version."""
     if end_version is None or round_open:
         return False
-    return end_owed(val_at_end=val_at_end, val_every=val_every, has_val=has_val,
-                    last_val_version=last_val_version, end_version=end_version)  # fmt: skip
+    return end_owed(
+        val_at_end=val_at_end,
+        val_every=val_every,
+        has_val=has_val,
+        last_val_version=last_val_version,
+        end_version=end_version,
+    )
 
 
 def round_open(groups: Iterable[Group]) -> bool:
@@ -89,8 +94,15 @@ class Validation:
         chosen = samples[: self.section.val_samples or None]
         groups = [new_group(cursor, s, "val", self.section.val_group_size, version) for s in chosen]
         self.dispatcher.commit(groups, cursor, version)
-        report.event(self.r, self.keys, "val_round_dispatched", round=cursor.val_round, version=version,
-                     groups=len(groups), end=end)  # fmt: skip
+        report.event(
+            self.r,
+            self.keys,
+            "val_round_dispatched",
+            round=cursor.val_round,
+            version=version,
+            groups=len(groups),
+            end=end,
+        )
         return cursor, groups
 
     def close(self, cursor: Cursor) -> None:
@@ -98,11 +110,18 @@ class Validation:
         count = cursor.val_count
         mean = cursor.val_sum / count if count else float("nan")
         version = cursor.last_val_version
-        point = schemas.RewardPoint(run=self.keys.run, version=version, mode="val", mean=mean, count=count,
-                                    group_id=f"round{cursor.val_round}")  # fmt: skip
+        point = schemas.RewardPoint(
+            run=self.keys.run,
+            version=version,
+            mode="val",
+            mean=mean,
+            count=count,
+            group_id=f"round{cursor.val_round}",
+        )
         report.reward(self.r, self.keys, point)
-        report.event(self.r, self.keys, "val_reward", round=cursor.val_round, version=version, mean=mean,
-                     count=count)  # fmt: skip
+        report.event(
+            self.r, self.keys, "val_reward", round=cursor.val_round, version=version, mean=mean, count=count
+        )
         self.log.info(
             "val_round_done", round=cursor.val_round, version=version, mean_reward=mean, count=count
         )

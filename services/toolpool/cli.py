@@ -15,8 +15,10 @@ from squall.shared.cliargs import add_common_arguments
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser)
-    parser.add_argument("--queues", help="comma-separated tools to serve (overrides worker.queues): "
-                        "code, retrieval, sql, judge")  # fmt: skip
+    parser.add_argument(
+        "--queues",
+        help="comma-separated tools to serve (overrides worker.queues): code, retrieval, sql, judge",
+    )
     parser.add_argument("--workers", type=int, help="rq worker processes (overrides worker.workers)")
     parser.add_argument("--http-port", type=int, help="also serve the tools over HTTP on this port")
     parser.add_argument("--burst", action="store_true", help="exit once the queues are empty (tests, batch)")
@@ -37,8 +39,10 @@ def main(args: argparse.Namespace) -> int:
     if args.http_only:
         return _serve_http(config)
     if not tools:
-        print("squall worker: no queues: set worker.queues in the run file or pass --queues code,sql,...",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "squall worker: no queues: set worker.queues in the run file or pass --queues code,sql,...",
+            file=sys.stderr,
+        )
         return 2
     if args.single:
         from squall.toolpool.pool import work_one
@@ -78,9 +82,12 @@ def _supervise(args: argparse.Namespace, config, tools: list[str]) -> int:  # ty
         )
     signal.signal(signal.SIGTERM, lambda *_: (pool.stop(), http and http.stop()))
     signal.signal(signal.SIGINT, lambda *_: (pool.stop(), http and http.stop()))
-    print(f"squall worker: run {config.run.name!r}: {config.worker.workers} rq worker(s) on {', '.join(tools)}"
-          + (f"; HTTP on {config.worker.http_host}:{config.worker.http_port}" if http else ""), file=sys.stderr,
-          flush=True)  # fmt: skip
+    print(
+        f"squall worker: run {config.run.name!r}: {config.worker.workers} rq worker(s) on {', '.join(tools)}"
+        + (f"; HTTP on {config.worker.http_host}:{config.worker.http_port}" if http else ""),
+        file=sys.stderr,
+        flush=True,
+    )
     front = threading.Thread(target=http.run, daemon=True) if http is not None else None
     if front is not None:
         front.start()

@@ -29,9 +29,10 @@ from typing import Any
 
 from squall.shared.config import WorkerSection
 from squall.shared.errors import ToolError
-from squall.toolpool.queues import FUNCTIONS, check_tool, queue_name, serializer, tell_rq_the_server_version
+from squall.toolpool.queues import FUNCTIONS, check_tool, queue_name, rq_connection, serializer
 
-BLOCK_SLICE_MS = 1000  # longest single XREAD BLOCK (well under the client's socket timeout)
+BLOCK_SLICE_S = 1  # longest single blocking wait for a result (well under the client's socket timeout)
+POLL_S = 0.05  # between looks for a result when less than a second is left, or a retry is pending
 TTL_MARGIN_S = 10  # a queued job outlives its caller's deadline by this much, so the caller can cancel it
 ASYNC_THREADS = 64  # threads for the async variants: one per tool call in flight
 
@@ -57,9 +58,8 @@ class Tools:
     """Calls on one run's pool through Redis (the agent-facing functions wrap a default one)."""
 
     def __init__(self, connection: Any, run: str, settings: WorkerSection | None = None) -> None:
-        if connection is not None:
-            tell_rq_the_server_version(connection)
-        self.r, self.run, self.settings = connection, run, settings or WorkerSection()
+        self.r = rq_connection(connection) if connection is not None else None
+        self.run, self.settings = run, settings or WorkerSection()
 
     @classmethod
     def from_env(cls) -> Tools | HttpTools:
@@ -86,38 +86,53 @@ class Tools:
         queue = Queue(queue_name(self.run, tool), connection=self.r, serializer=serializer())
         try:
             job = queue.enqueue_call(
-                FUNCTIONS[tool], kwargs=args, timeout=max(1, min(s.job_timeout_s, math.ceil(deadline_s))),
-                result_ttl=s.result_ttl_s, failure_ttl=s.failure_ttl_s, ttl=math.ceil(deadline_s) + TTL_MARGIN_S,
+                FUNCTIONS[tool],
+                kwargs=args,
+                timeout=max(1, min(s.job_timeout_s, math.ceil(deadline_s))),
+                result_ttl=s.result_ttl_s,
+                failure_ttl=s.failure_ttl_s,
+                ttl=math.ceil(deadline_s) + TTL_MARGIN_S,
                 retry=Retry(max=s.retries) if s.retries else None,
-            )  # fmt: skip
+            )
         except (TypeError, ValueError) as exc:
             raise ToolError(f"arguments of {tool!r} must be JSON values: {exc}") from None
         return self._wait(job, tool, end, deadline_s)
 
     def _wait(self, job: Any, tool: str, end: float, deadline_s: float) -> Any:
+        """rq's result of `job` (Job.latest_result, which blocks in whole seconds) by `end`.
+
+        A failed result while rq retries the job is not the answer: wait for a newer one."""
         from rq.job import JobStatus
         from rq.results import Result
 
-        key, last_id = Result.get_key(job.id), "0-0"
+        seen: str | None = None  # id of a failed result a retry will follow
         while (remaining := end - time.monotonic()) > 0:
-            block = max(1, min(BLOCK_SLICE_MS, int(remaining * 1000)))
-            for _, entries in self.r.xread({key: last_id}, block=block) or ():
-                for entry_id, payload in entries:
-                    last_id = entry_id
-                    result = Result.restore(job.id, entry_id.decode(), payload, connection=self.r,
-                                            serializer=serializer())  # fmt: skip
-                    if result.type == Result.Type.SUCCESSFUL:
-                        return result.return_value
-                    retrying = job.get_status(refresh=True) in (JobStatus.QUEUED, JobStatus.STARTED,
-                                                                JobStatus.SCHEDULED)  # fmt: skip
-                    if not retrying:
-                        raise ToolError(f"{tool}: {failure_reason(result.exc_string)}")
+            whole = min(BLOCK_SLICE_S, int(remaining))
+            result = job.latest_result(timeout=whole) if whole >= 1 and seen is None else job.latest_result()
+            if result is None or result.id == seen:
+                if whole < 1 or seen is not None:
+                    time.sleep(min(POLL_S, max(end - time.monotonic(), 0)))
+                continue
+            if result.type == Result.Type.SUCCESSFUL:
+                return result.return_value
+            retrying = job.get_status(refresh=True) in (
+                JobStatus.QUEUED,
+                JobStatus.STARTED,
+                JobStatus.SCHEDULED,
+            )
+            if not retrying:
+                raise ToolError(f"{tool}: {failure_reason(result.exc_string)}")
+            seen = result.id
         status = self._give_up(job)
         if self._workers(tool) == 0:
-            raise ToolError(f"{tool}: no result within the deadline of {deadline_s:g} s (job {status}): no worker "
-                            f"serves this tool: start `squall worker --queues {tool}`")  # fmt: skip
-        raise ToolError(f"{tool}: no result within the deadline of {deadline_s:g} s (job {status}); "
-                        "the pool may be busy: check `squall status` or `rq info`")  # fmt: skip
+            raise ToolError(
+                f"{tool}: no result within the deadline of {deadline_s:g} s (job {status}): no worker "
+                f"serves this tool: start `squall worker --queues {tool}`"
+            )
+        raise ToolError(
+            f"{tool}: no result within the deadline of {deadline_s:g} s (job {status}); "
+            "the pool may be busy: check `squall status` or `rq info`"
+        )
 
     def _workers(self, tool: str) -> int:
         from rq import Queue, Worker
@@ -152,8 +167,9 @@ class Tools:
     def run_sql(self, sql: str, db: str = "default", deadline_s: float | None = None) -> dict[str, Any]:
         return self.call("sql", {"sql": sql, "db": db}, deadline_s)
 
-    def judge(self, kind: str, prediction: Any, reference: Any, db: str = "default",
-              deadline_s: float | None = None) -> dict[str, Any]:  # fmt: skip
+    def judge(
+        self, kind: str, prediction: Any, reference: Any, db: str = "default", deadline_s: float | None = None
+    ) -> dict[str, Any]:
         args = {"kind": kind, "prediction": prediction, "reference": reference, "db": db}
         return self.call("judge", args, deadline_s)
 
@@ -214,8 +230,9 @@ def run_sql(sql: str, db: str = "default", deadline_s: float | None = None) -> d
     return default_tools().run_sql(sql, db, deadline_s)
 
 
-def judge(kind: str, prediction: Any, reference: Any, db: str = "default",
-          deadline_s: float | None = None) -> dict[str, Any]:  # fmt: skip
+def judge(
+    kind: str, prediction: Any, reference: Any, db: str = "default", deadline_s: float | None = None
+) -> dict[str, Any]:
     """Score a prediction with a judge of the pool (exact, contains, number, f1, sql)."""
     return default_tools().judge(kind, prediction, reference, db, deadline_s)
 
@@ -236,10 +253,23 @@ async def arun_sql(sql: str, db: str = "default", deadline_s: float | None = Non
     return await _threaded(run_sql, sql, db, deadline_s)
 
 
-async def ajudge(kind: str, prediction: Any, reference: Any, db: str = "default",
-                 deadline_s: float | None = None) -> dict[str, Any]:  # fmt: skip
+async def ajudge(
+    kind: str, prediction: Any, reference: Any, db: str = "default", deadline_s: float | None = None
+) -> dict[str, Any]:
     return await _threaded(judge, kind, prediction, reference, db, deadline_s)
 
 
-__all__ = ["ToolError", "Tools", "HttpTools", "run_code", "search", "run_sql", "judge",
-           "arun_code", "asearch", "arun_sql", "ajudge", "default_tools"]  # fmt: skip
+__all__ = [
+    "ToolError",
+    "Tools",
+    "HttpTools",
+    "run_code",
+    "search",
+    "run_sql",
+    "judge",
+    "arun_code",
+    "asearch",
+    "arun_sql",
+    "ajudge",
+    "default_tools",
+]

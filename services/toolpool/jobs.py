@@ -48,8 +48,14 @@ def _text(value: Any, name: str, limit: int) -> str:
 
 def limits() -> Limits:
     s = _settings
-    return Limits(cpu_s=s.code_cpu_s, memory_mb=s.code_memory_mb, file_mb=s.code_file_mb,
-                  processes=s.code_processes, wall_s=s.code_wall_s, output_bytes=s.code_output_bytes)  # fmt: skip
+    return Limits(
+        cpu_s=s.code_cpu_s,
+        memory_mb=s.code_memory_mb,
+        file_mb=s.code_file_mb,
+        processes=s.code_processes,
+        wall_s=s.code_wall_s,
+        output_bytes=s.code_output_bytes,
+    )
 
 
 def ping(value: Any = None) -> Any:

@@ -6,6 +6,13 @@ the configured result TTL and a short maintenance interval (abandoned jobs of a 
 are failed or retried within `maintenance_s`). `Supervisor` starts the children in their own
 process groups with PDEATHSIG, restarts one that dies (after a pause), and on SIGTERM passes
 it on (rq: finish the current job, then exit), waits `grace_s`, then SIGKILLs the groups.
+
+Why not rq's WorkerPool (rq 3.0): it builds each Worker with fixed arguments (no result TTL,
+maintenance or monitoring interval, worker TTL; always with the scheduler), never SIGKILLs a
+worker that does not stop, and forks the workers from the pool process, so nothing dies with a
+killed pool. Why PoolWorker still overrides two Worker methods: rq has no public setting for the
+60 s it adds to a job's heartbeat TTL (how late a dead worker's job is seen as abandoned), nor a
+hook that runs in the work horse before the job (where PDEATHSIG must be set).
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from dataclasses import dataclass, field
 from squall.shared.config import RunConfig
 from squall.shared.supervision import die_with_parent, stop
 from squall.toolpool import jobs
-from squall.toolpool.queues import queue_name, serializer, tell_rq_the_server_version
+from squall.toolpool.queues import queue_name, rq_connection, serializer
 
 RESTART_PAUSE_S = 1.0  # before restarting a worker that died
 GRACE_S = 30.0  # SIGTERM -> SIGKILL for the children
@@ -33,12 +40,6 @@ def _pool_worker_class() -> type:
     class PoolWorker(Worker):
         """rq's forking Worker whose work horse dies with it: a worker killed with -9 leaves no
         horse (nor, through the sandbox's own PDEATHSIG, sandboxed code) running on."""
-
-        @property
-        def dequeue_timeout(self) -> int:
-            # rq blocks up to worker_ttl - 15 s (405 s) waiting for a job, and runs maintenance
-            # only between waits: an idle pool would leave a dead worker's job unfailed that long.
-            return max(1, min(int(self.maintenance_interval), self.worker_ttl - 15))
 
         def get_heartbeat_ttl(self, job, working_time: float = 0.0) -> int:  # type: ignore[no-untyped-def]
             # rq's own margin is a fixed 60 s: a dead worker's job would wait that long to be
@@ -62,13 +63,21 @@ def work_one(config: RunConfig, tools: list[str], name: str | None = None, burst
 
     settings = config.worker
     jobs.configure(settings)
-    r = tell_rq_the_server_version(connect(config.run.redis_url, autostart=False))
+    r = rq_connection(connect(config.run.redis_url, autostart=False))
     queues = [Queue(queue_name(config.run.name, t), connection=r, serializer=serializer()) for t in tools]
-    worker = _pool_worker_class()(queues, connection=r, name=name, serializer=serializer(),
-                    default_result_ttl=settings.result_ttl_s, maintenance_interval=settings.maintenance_s,
-                    job_monitoring_interval=settings.heartbeat_s,
-                    # a dead worker's entry (rq info, pool_summary) expires after this, not 420 s
-                    worker_ttl=max(30, 3 * max(settings.maintenance_s, settings.heartbeat_s) + 15))  # fmt: skip
+    worker = _pool_worker_class()(
+        queues,
+        connection=r,
+        name=name,
+        serializer=serializer(),
+        default_result_ttl=settings.result_ttl_s,
+        maintenance_interval=settings.maintenance_s,
+        job_monitoring_interval=settings.heartbeat_s,
+        # rq waits worker_ttl - 15 s for a job and runs maintenance only between waits, so an idle
+        # worker fails a dead worker's job within maintenance_s; its own entry (rq info,
+        # pool_summary) expires maintenance_s + 15 s after it died, not rq's 420 s.
+        worker_ttl=settings.maintenance_s + 15,
+    )
     worker.work(burst=burst, logging_level=config.run.log_level, with_scheduler=False)
     return 0
 
@@ -105,8 +114,11 @@ class Supervisor:
                     continue
                 died_at.setdefault(slot, time.monotonic())
                 if time.monotonic() - died_at[slot] >= RESTART_PAUSE_S:
-                    print(f"squall worker: worker {slot} exited with {child.returncode}; restarting",
-                          file=sys.stderr, flush=True)  # fmt: skip
+                    print(
+                        f"squall worker: worker {slot} exited with {child.returncode}; restarting",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     self.children[slot] = self._spawn(slot)
                     self.restarts += 1
                     del died_at[slot]

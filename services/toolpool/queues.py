@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import redis
+
 from squall.shared.errors import ToolError
 from squall.shared.keys import Keys
 
@@ -35,18 +37,24 @@ def serializer() -> type:
     return JSONSerializer
 
 
-def tell_rq_the_server_version(r: Any) -> Any:
-    """Cache the server version on `r` the way rq does, from HELLO instead of INFO.
+class _VersionFromHello(redis.Redis):
+    """A client whose `INFO server` answer (the only section rq reads) comes from HELLO."""
 
-    rq asks INFO once per connection (to pick BLMOVE over BLPOP, and to stamp jobs); INFO is
-    refused to every squall ACL user (it shows the whole server), and rq would then assume
-    Redis 5.0.9. HELLO without a protocol version answers the same in RESP2 and is allowed.
+    def info(self, section: str | None = None, *args: Any, **kwargs: Any) -> Any:
+        if section != "server":
+            return super().info(section, *args, **kwargs)
+        reply = self.execute_command("HELLO")
+        fields = dict(zip(reply[::2], reply[1::2], strict=False)) if isinstance(reply, list) else dict(reply)
+        version = fields.get(b"version", fields.get("version", b"0"))
+        return {"redis_version": version.decode() if isinstance(version, bytes) else str(version)}
+
+
+def rq_connection(r: redis.Redis) -> redis.Redis:
+    """A client on `r`'s connection pool for rq to use.
+
+    rq learns the server version from `INFO server` (BLMOVE over BLPOP, and a stamp on each
+    job); INFO is refused to every squall ACL user (it shows the whole server), and rq would
+    then assume Redis 5.0.9 and ask again on every dequeue. HELLO without a protocol version
+    answers the same in RESP2 and is allowed, so this client answers `INFO server` from it.
     """
-    reply = r.execute_command("HELLO")
-    fields = dict(zip(reply[::2], reply[1::2], strict=False)) if isinstance(reply, list) else dict(reply)
-    version = fields.get(b"version", fields.get("version", b"0"))
-    parts = [
-        int(p) for p in (version.decode() if isinstance(version, bytes) else str(version)).split(".")[:3]
-    ]
-    setattr(r, "__rq_redis_server_version", tuple((parts + [0, 0, 0])[:3]))
-    return r
+    return _VersionFromHello(connection_pool=r.connection_pool)

@@ -145,8 +145,19 @@ def read_paths(python: str) -> list[str]:
     """What the sandboxed interpreter may read: its installation and the system's libraries."""
     bin_dir = os.path.dirname(python)
     prefix = os.path.dirname(bin_dir)
-    paths = {python, bin_dir, os.path.join(prefix, "lib"), "/usr/lib", "/usr/lib64", "/lib", "/lib64",
-             "/usr/local/lib", "/etc/ld.so.cache", "/dev/urandom", os.devnull}  # fmt: skip
+    paths = {
+        python,
+        bin_dir,
+        os.path.join(prefix, "lib"),
+        "/usr/lib",
+        "/usr/lib64",
+        "/lib",
+        "/lib64",
+        "/usr/local/lib",
+        "/etc/ld.so.cache",
+        "/dev/urandom",
+        os.devnull,
+    }
     return sorted(p for p in paths if os.path.exists(p))
 
 
@@ -216,9 +227,15 @@ def run_python(code: str, limits: Limits = Limits(), python: str = "") -> Sandbo
         started = time.monotonic()
         proc = subprocess.Popen(
             [exe, "-I", "-S", "-B", "main.py"],
-            cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            close_fds=True, start_new_session=True, preexec_fn=confine,
-        )  # fmt: skip
+            cwd=workdir,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            close_fds=True,
+            start_new_session=True,
+            preexec_fn=confine,
+        )
         try:
             out, err, killed_for, truncated, reaped = _collect(proc, limits, started)
         finally:
@@ -231,8 +248,17 @@ def run_python(code: str, limits: Limits = Limits(), python: str = "") -> Sandbo
         cpu = usage.ru_utime + usage.ru_stime
         stdout, stderr = out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
         reason, detail = _classify(proc.returncode, killed_for, stderr, cpu, limits)
-        return SandboxResult(reason, detail, None if killed_for else proc.returncode, stdout, stderr,
-                             round(duration, 4), round(cpu, 4), truncated, layers())  # fmt: skip
+        return SandboxResult(
+            reason,
+            detail,
+            None if killed_for else proc.returncode,
+            stdout,
+            stderr,
+            round(duration, 4),
+            round(cpu, 4),
+            truncated,
+            layers(),
+        )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 

@@ -45,8 +45,14 @@ def pool_summary(r: Any, run: str, tools: tuple[str, ...] = TOOLS) -> dict[str, 
                 continue
             if job is not None:
                 result = job.latest_result()
-                failures.append({"tool": tool, "job": job.id, "ended_at": str(job.ended_at or ""),
-                                 "reason": failure_reason(result.exc_string if result else None)})  # fmt: skip
+                failures.append(
+                    {
+                        "tool": tool,
+                        "job": job.id,
+                        "ended_at": str(job.ended_at or ""),
+                        "reason": failure_reason(result.exc_string if result else None),
+                    }
+                )
     workers = []
     for w in Worker.all(connection=r, serializer=serializer()):
         names = [q.name for q in w.queues]
@@ -55,9 +61,18 @@ def pool_summary(r: Any, run: str, tools: tuple[str, ...] = TOOLS) -> dict[str, 
         running = sorted(
             m.decode().split(":")[0] for m in r.smembers(w.executions_key)
         )  # job_id:execution_id
-        workers.append({"name": w.name, "state": str(w.get_state()), "pid": w.pid, "host": w.hostname,
-                        "queues": [by_queue.get(n, n) for n in names], "current_job": running[0] if running else None,
-                        "successful": w.successful_job_count, "failed": w.failed_job_count})  # fmt: skip
+        workers.append(
+            {
+                "name": w.name,
+                "state": str(w.get_state()),
+                "pid": w.pid,
+                "host": w.hostname,
+                "queues": [by_queue.get(n, n) for n in names],
+                "current_job": running[0] if running else None,
+                "successful": w.successful_job_count,
+                "failed": w.failed_job_count,
+            }
+        )
     failures.sort(key=lambda f: f["ended_at"], reverse=True)
     return {"queues": queues, "workers": workers, "failures": failures[:RECENT_FAILURES]}
 
@@ -66,8 +81,10 @@ def format_summary(summary: dict[str, Any]) -> str:
     """A few lines of text for `squall status`."""
     lines = ["tool pool:"]
     for tool, q in summary["queues"].items():
-        lines.append(f"  {tool:<10} queued={q['queued']} started={q['started']} finished={q['finished']} "
-                     f"failed={q['failed']} workers={q['workers']}")  # fmt: skip
+        lines.append(
+            f"  {tool:<10} queued={q['queued']} started={q['started']} finished={q['finished']} "
+            f"failed={q['failed']} workers={q['workers']}"
+        )
     for f in summary["failures"]:
         lines.append(f"  failed {f['tool']} job {f['job']}: {f['reason']}")
     return "\n".join(lines)

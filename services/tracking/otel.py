@@ -159,33 +159,53 @@ class Tracer:
         versions = sorted({turn.version for turn in t.turns if turn.trained and turn.version >= 0})
         links = [self._link(*publication_ids(self.run, v), **{"squall.weight_version": v}) for v in versions]
         attributes = {
-            "squall.run": self.run, "squall.attempt": key, "squall.group": t.group_id, "squall.mode": t.mode,
-            "squall.status": t.status, "squall.runner": t.runner_id, "squall.min_version": t.min_version,
-            "squall.weight_versions": versions, "squall.turns": len(t.turns),
-        }  # fmt: skip
+            "squall.run": self.run,
+            "squall.attempt": key,
+            "squall.group": t.group_id,
+            "squall.mode": t.mode,
+            "squall.status": t.status,
+            "squall.runner": t.runner_id,
+            "squall.min_version": t.min_version,
+            "squall.weight_versions": versions,
+            "squall.turns": len(t.turns),
+        }
         if t.reward is not None:
             attributes["squall.reward"] = t.reward
-        root = self._start("attempt", ids=list(attempt_ids(self.run, key)), links=links, attributes=attributes,
-                           start_time=_ns(started))  # fmt: skip
+        root = self._start(
+            "attempt",
+            ids=list(attempt_ids(self.run, key)),
+            links=links,
+            attributes=attributes,
+            start_time=_ns(started),
+        )
         if t.status != "ok":
             root.set_status(Status(StatusCode.ERROR, (t.error or t.status)[:200]))
         for i, turn in enumerate(t.turns):
             begin = call_starts[i] if i < len(call_starts) else ended - turn.latency_s
-            span = self._start(f"chat {turn.model}", ids=[call_span_id(self.run, key, i)], parent=root,
-                               start_time=_ns(begin), attributes={
-                                   "gen_ai.operation.name": "chat", "gen_ai.system": "squall",
-                                   "gen_ai.request.model": turn.model,
-                                   "gen_ai.usage.input_tokens": len(turn.prompt_ids) // 4,
-                                   "gen_ai.usage.output_tokens": len(turn.response_ids) // 4,
-                                   "gen_ai.response.finish_reasons": [turn.finish_reason],
-                                   "squall.agent": turn.agent, "squall.trained": turn.trained,
-                                   "squall.weight_version": turn.version, "squall.node": turn.node,
-                               })  # fmt: skip
+            span = self._start(
+                f"chat {turn.model}",
+                ids=[call_span_id(self.run, key, i)],
+                parent=root,
+                start_time=_ns(begin),
+                attributes={
+                    "gen_ai.operation.name": "chat",
+                    "gen_ai.system": "squall",
+                    "gen_ai.request.model": turn.model,
+                    "gen_ai.usage.input_tokens": len(turn.prompt_ids) // 4,
+                    "gen_ai.usage.output_tokens": len(turn.response_ids) // 4,
+                    "gen_ai.response.finish_reasons": [turn.finish_reason],
+                    "squall.agent": turn.agent,
+                    "squall.trained": turn.trained,
+                    "squall.weight_version": turn.version,
+                    "squall.node": turn.node,
+                },
+            )
             span.end(end_time=_ns(begin + turn.latency_s))
         root.end(end_time=_ns(ended))
 
-    def trainer_step(self, step: int, keys: Sequence[str], started: float, ended: float,
-                     published: int | None = None) -> Any:  # fmt: skip
+    def trainer_step(
+        self, step: int, keys: Sequence[str], started: float, ended: float, published: int | None = None
+    ) -> Any:
         """A step that trained the attempts `keys`, linked to each; returns its span context."""
         links = [self._link(*attempt_ids(self.run, key), **{"squall.attempt": key}) for key in keys]
         attributes: dict[str, Any] = {
@@ -206,9 +226,13 @@ class Tracer:
         links = []
         if step_context is not None:
             links.append(self._link(step_context.trace_id, step_context.span_id, **{"squall.step": step}))
-        span = self._start("publish weights", ids=list(publication_ids(self.run, version)), links=links,
-                           attributes={"squall.run": self.run, "squall.weight_version": version, "squall.step": step},
-                           start_time=_ns(started))  # fmt: skip
+        span = self._start(
+            "publish weights",
+            ids=list(publication_ids(self.run, version)),
+            links=links,
+            attributes={"squall.run": self.run, "squall.weight_version": version, "squall.step": step},
+            start_time=_ns(started),
+        )
         span.end(end_time=_ns(ended))
 
     def close(self) -> None:

@@ -135,6 +135,12 @@ def sample_row(trajectory: schemas.Trajectory, text: TextDecoder) -> SampleRow:
         else:
             response = "\n".join(text(t.response_tokens) for t in turns)
     return SampleRow(
-        version=policy_version(trajectory), mode=trajectory.mode, attempt=trajectory.key,
-        status=trajectory.status, reward=trajectory.reward, turns=len(turns), prompt=prompt, response=response,
-    )  # fmt: skip
+        version=policy_version(trajectory),
+        mode=trajectory.mode,
+        attempt=trajectory.key,
+        status=trajectory.status,
+        reward=trajectory.reward,
+        turns=len(turns),
+        prompt=prompt,
+        response=response,
+    )

@@ -180,8 +180,13 @@ def run(config: RunConfig) -> int:
     r = connect(config.run.redis_url, autostart=False)
     started = time.monotonic()
     tracker = Tracker(config, r)
-    log.info("tracker_started", backends=list(config.tracking.backends), dir=str(tracker.folder),
-             cursor=tracker.cursor.ids, start_s=round(time.monotonic() - started, 3))  # fmt: skip
+    log.info(
+        "tracker_started",
+        backends=list(config.tracking.backends),
+        dir=str(tracker.folder),
+        cursor=tracker.cursor.ids,
+        start_s=round(time.monotonic() - started, 3),
+    )
     try:
         tracker.run(stop)
     finally:

@@ -30,10 +30,16 @@ class WandbBackend(Backend):
         folder.mkdir(parents=True, exist_ok=True)
         track = config.tracking
         self.run = wandb.init(
-            project=track.project, entity=track.wandb_entity or None, name=config.run.name,
-            id=state["id"], resume="allow", dir=str(folder), mode=track.wandb_mode,
-            config=public_config(config), settings=wandb.Settings(console="off", save_code=False),
-        )  # fmt: skip
+            project=track.project,
+            entity=track.wandb_entity or None,
+            name=config.run.name,
+            id=state["id"],
+            resume="allow",
+            dir=str(folder),
+            mode=track.wandb_mode,
+            config=public_config(config),
+            settings=wandb.Settings(console="off", save_code=False),
+        )
         self.run.define_metric(AXIS_KEYS["step"])
         self.run.define_metric("trainer/*", step_metric=AXIS_KEYS["step"])
         self.run.define_metric(AXIS_KEYS["version"])

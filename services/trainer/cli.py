@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from squall.shared.cliargs import add_common_arguments
+from squall.shared.cliargs import add_common_arguments, add_field_flag
 
 EXIT_REDIS_UNAVAILABLE = 3  # Redis stayed down past run.redis_outage_s
 EXIT_BAD_WORLD = 2  # more ranks than GPUs, or a checkpoint written by another world size
@@ -22,12 +22,8 @@ EXIT_BAD_WORLD = 2  # more ranks than GPUs, or a checkpoint written by another w
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser)
-    parser.add_argument(
-        "--backend", choices=["torch", "verl"], help="training backend (overrides trainer.backend)"
-    )
-    parser.add_argument(
-        "--max-steps", type=int, help="stop after this many optimizer steps (overrides trainer.max_steps)"
-    )
+    add_field_flag(parser, "--backend", "trainer.backend")
+    add_field_flag(parser, "--max-steps", "trainer.max_steps")
     launch = parser.add_argument_group("several ranks (torchrun: FSDP-sharded data parallel)")
     launch.add_argument("--nproc-per-node", type=int, metavar="N", help="ranks on this machine (one per GPU)")
     launch.add_argument("--nnodes", type=int, default=1, metavar="M", help="machines in the run (default 1)")
@@ -78,11 +74,11 @@ def ray_launch(args: argparse.Namespace) -> int:
     if args.nproc_per_node is not None:
         print("squall trainer: --ray starts the ranks itself: drop --nproc-per-node", file=sys.stderr)
         return EXIT_BAD_WORLD
-    config = config_from_args(args, trainer={"backend": args.backend, "max_steps": args.max_steps})
+    config = config_from_args(args)
     configure_logging("trainer", config.run.name, level=config.run.log_level)
     CheckpointStore.check_world_size(Path(config.run.dir) / "checkpoints", args.workers)
     try:
-        return launch_ray(config, args.backend, workers=args.workers, address=args.ray_address)
+        return launch_ray(config, config.trainer.backend, workers=args.workers, address=args.ray_address)
     except RayLaunchError as exc:
         print(f"squall trainer: {exc}", file=sys.stderr)
         return EXIT_BAD_WORLD
@@ -92,7 +88,7 @@ def run_rank(args: argparse.Namespace) -> int:
     from squall.shared.cliargs import config_from_args
     from squall.shared.logs import configure_logging
 
-    config = config_from_args(args, trainer={"backend": args.backend, "max_steps": args.max_steps})
+    config = config_from_args(args)
     configure_logging("trainer", config.run.name, level=config.run.log_level)
     import torch
 

@@ -227,8 +227,13 @@ def load_sharded(
     # Not strict: the frozen parameters are absent by design; every trainable one was required
     # by dcp.load above (a key missing from the checkpoint fails there).
     options = StateDictOptions(ignore_frozen_params=True, strict=False)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                   options=options)  # fmt: skip
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+        options=options,
+    )
     return torch.load(rng_file(path, world), weights_only=False)
 
 

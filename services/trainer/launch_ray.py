@@ -106,8 +106,10 @@ def run_on_workers(
         train_loop_config=loop_config,
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=int(timeout_s)),
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu),
-        run_config=RayRunConfig(name=name, storage_path=str(storage.resolve()), failure_config=FailureConfig(max_failures=0)),
-    )  # fmt: skip
+        run_config=RayRunConfig(
+            name=name, storage_path=str(storage.resolve()), failure_config=FailureConfig(max_failures=0)
+        ),
+    )
     return trainer.fit()
 
 
@@ -145,10 +147,15 @@ def launch_ray(config: RunConfig, backend: str | None, *, workers: int, address:
     loop_config = {"config": config, "backend": backend}
     try:
         run_on_workers(
-            trainer_rank, loop_config, workers=workers, use_gpu=use_gpu, storage=Path(config.run.dir) / "ray",
+            trainer_rank,
+            loop_config,
+            workers=workers,
+            use_gpu=use_gpu,
+            storage=Path(config.run.dir) / "ray",
             name=f"trainer-{config.run.name}",
-            timeout_s=config.trainer.collective_timeout_s + config.run.redis_outage_s,  # as the control group's
-        )  # fmt: skip
+            timeout_s=config.trainer.collective_timeout_s
+            + config.run.redis_outage_s,  # as the control group's
+        )
     except TrainingFailedError as exc:  # it carries the failing rank's traceback
         print(f"squall trainer: a Ray worker failed: {exc}", file=sys.stderr)
         return 1

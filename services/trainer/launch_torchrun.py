@@ -14,11 +14,6 @@ import os
 import sys
 from pathlib import Path
 
-# Options the ranks get through their environment (torchrun would take `--run` after the
-# script name for its own `--run-path`; a Redis URL with a password stays out of argv).
-PASSED_IN_ENV = {"run": "SQUALL_RUN__NAME", "redis_url": "SQUALL_RUN__REDIS_URL",
-                 "backend": "SQUALL_TRAINER__BACKEND", "max_steps": "SQUALL_TRAINER__MAX_STEPS"}  # fmt: skip
-
 
 def torchrun_command(args: argparse.Namespace) -> list[str]:
     """The torchrun command line that starts this node's ranks, each running `squall trainer
@@ -38,20 +33,27 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
                 "--rdzv-endpoint HOST:PORT (node 0's address, the same on every node)"
             )
         # static rendezvous: node 0 holds global rank 0, the rank that owns the bus
-        command += [f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}", "--rdzv-backend=static",
-                    f"--rdzv-endpoint={args.rdzv_endpoint}"]  # fmt: skip
+        command += [
+            f"--nnodes={args.nnodes}",
+            f"--node-rank={args.node_rank}",
+            "--rdzv-backend=static",
+            f"--rdzv-endpoint={args.rdzv_endpoint}",
+        ]
     command += ["-m", "squall.cli", "trainer"]
     return command + (["--config", args.config] if args.config else [])
 
 
 def rank_environment(args: argparse.Namespace) -> dict[str, str]:
-    """This process's environment plus the command-line overrides, for the ranks."""
-    given = {
-        env: str(getattr(args, dest))
-        for dest, env in PASSED_IN_ENV.items()
-        if getattr(args, dest) is not None
-    }
-    return {**os.environ, **given}
+    """This process's environment plus the command-line overrides, for the ranks: through the
+    environment (torchrun would take `--run` after the script name for its own `--run-path`;
+    a Redis URL with a password stays out of argv)."""
+    from squall.shared.cliargs import field_flags
+
+    given = {"SQUALL_RUN__NAME": args.run, "SQUALL_RUN__REDIS_URL": args.redis_url}
+    for section, fields in field_flags(args).items():
+        for name, value in fields.items():
+            given[f"SQUALL_{section.upper()}__{name.upper()}"] = value
+    return {**os.environ, **{env: str(value) for env, value in given.items() if value is not None}}
 
 
 def rank_processes(pid: int) -> dict[int, int]:
@@ -91,7 +93,7 @@ def launch_torchrun(args: argparse.Namespace) -> int:
     from .checkpoint import CheckpointStore
     from .distributed import check_devices
 
-    config = config_from_args(args, trainer={"backend": args.backend, "max_steps": args.max_steps})
+    config = config_from_args(args)
     check_devices(config.trainer.device, args.nproc_per_node)
     CheckpointStore.check_world_size(Path(config.run.dir) / "checkpoints", args.nproc_per_node * args.nnodes)
     proc = subprocess.Popen(

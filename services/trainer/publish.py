@@ -29,10 +29,17 @@ VERSION_DIR = re.compile(r"^v(\d{6,})$")
 
 class Publisher:
     def __init__(
-        self, r: redis.Redis, keys: Keys, run_dir: str | Path, *, keep_versions: int,
-        weights_format: str = FORMAT_SHARDED, shard_bytes: int = 512 * MIB, write_threads: int = 4,
+        self,
+        r: redis.Redis,
+        keys: Keys,
+        run_dir: str | Path,
+        *,
+        keep_versions: int,
+        weights_format: str = FORMAT_SHARDED,
+        shard_bytes: int = 512 * MIB,
+        write_threads: int = 4,
         adapter_config: dict[str, Any] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.r, self.keys = r, keys
         self.root = Path(run_dir) / "weights"
         self.root.mkdir(parents=True, exist_ok=True)

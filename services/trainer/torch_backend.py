@@ -126,10 +126,17 @@ class TorchBackend(TrainerBackend):
             with torch.no_grad():
                 ref_logp = token_logprobs(self._forward(self.reference, arrays), t["targets"])
         out = ppo_tis_loss(
-            logp, t["behaviour_logprobs"], t["advantages"], t["loss_mask"], t["weights"],
-            clip_low=self.cfg.clip_low, clip_high=self.cfg.clip_high, tis_cap=self.cfg.tis_cap,
-            ref_logp=ref_logp, kl_coef=self.cfg.kl_coef,
-        )  # fmt: skip
+            logp,
+            t["behaviour_logprobs"],
+            t["advantages"],
+            t["loss_mask"],
+            t["weights"],
+            clip_low=self.cfg.clip_low,
+            clip_high=self.cfg.clip_high,
+            tis_cap=self.cfg.tis_cap,
+            ref_logp=ref_logp,
+            kl_coef=self.cfg.kl_coef,
+        )
         out.loss.backward()
         mask = t["loss_mask"] > 0
         entropy = token_entropy(logits.detach())[mask].sum().item() if out.tokens else 0.0
@@ -156,9 +163,15 @@ class TorchBackend(TrainerBackend):
         }
         logp = token_logprobs(self._forward(self.model, arrays), t["targets"])
         out = ppo_tis_loss(
-            logp, t["behaviour_logprobs"], t["advantages"], t["loss_mask"], t["weights"],
-            clip_low=self.cfg.clip_low, clip_high=self.cfg.clip_high, tis_cap=self.cfg.tis_cap,
-        )  # fmt: skip
+            logp,
+            t["behaviour_logprobs"],
+            t["advantages"],
+            t["loss_mask"],
+            t["weights"],
+            clip_low=self.cfg.clip_low,
+            clip_high=self.cfg.clip_high,
+            tis_cap=self.cfg.tis_cap,
+        )
         return float(out.loss)
 
     def weights(self) -> dict[str, Any]:
@@ -195,8 +208,15 @@ class TorchBackend(TrainerBackend):
             distributed.save_sharded(path, self.model, self.optimizer, self._rng_state(), self.world)
             return
         model = lora.trainable_state(self.model) if self.cfg.lora_rank else self.model.state_dict()
-        torch.save({"model": model, "optimizer": self.optimizer.state_dict(), "rng": self._rng_state(),
-                    "lora_rank": self.cfg.lora_rank}, path)  # fmt: skip
+        torch.save(
+            {
+                "model": model,
+                "optimizer": self.optimizer.state_dict(),
+                "rng": self._rng_state(),
+                "lora_rank": self.cfg.lora_rank,
+            },
+            path,
+        )
 
     def load_state(self, path: Path) -> None:
         if self.world.distributed:

@@ -82,9 +82,13 @@ class Trainer:
         self.r = connect(config.run.redis_url, autostart=config.run.autostart_redis)
         self.ledger = Ledger(self.r, self.keys)
         self.consumer = bus.GroupConsumer(
-            self.r, self.keys.trajectories, GROUP_TRAINER, self.cfg.consumer,
-            kind=schemas.Trajectory, deadletter_stream=self.keys.deadletter,
-        )  # fmt: skip
+            self.r,
+            self.keys.trajectories,
+            GROUP_TRAINER,
+            self.cfg.consumer,
+            kind=schemas.Trajectory,
+            deadletter_stream=self.keys.deadletter,
+        )
         self.leader = leader  # rank 0 of several: the other ranks make every backend call with us
         self.store = CheckpointStore(self.run_dir / "checkpoints", leader.world.world_size if leader else 1)
         latest = self.store.latest()  # a checkpoint of another world size fails here, before the model loads
@@ -92,10 +96,15 @@ class Trainer:
         if leader is not None:
             self.backend = distributed.LeaderBackend(self.backend, leader)
         self.publisher = Publisher(
-            self.r, self.keys, self.run_dir, keep_versions=self.cfg.keep_versions,
-            weights_format=self.cfg.weights_format, shard_bytes=self.cfg.weights_shard_mb << 20,
-            write_threads=self.cfg.weights_write_threads, adapter_config=self.backend.adapter_config(),
-        )  # fmt: skip
+            self.r,
+            self.keys,
+            self.run_dir,
+            keep_versions=self.cfg.keep_versions,
+            weights_format=self.cfg.weights_format,
+            shard_bytes=self.cfg.weights_shard_mb << 20,
+            write_threads=self.cfg.weights_write_threads,
+            adapter_config=self.backend.adapter_config(),
+        )
         self.state = TrainerState()
         if latest is not None:
             self.state, path = latest
@@ -111,15 +120,20 @@ class Trainer:
         self.tracer = tracer_for(config, "trainer", metrics=REGISTRY)
         self.heartbeat = HeartbeatWriter(self.r, self.keys, "trainer", self.cfg.consumer, every_s=HEARTBEAT_S)
         self.outage = RedisOutage(
-            config.run.redis_url, config.run.redis_outage_s, self.log,
+            config.run.redis_url,
+            config.run.redis_outage_s,
+            self.log,
             on_outage=self.metrics.errors.labels(kind="redis_outage").inc,
-        )  # fmt: skip
+        )
         self._observe_state()
         self._reconcile_trained_log()
         self.log.info(
-            "trainer_started", step=self.state.step, version=self.state.version,
-            resumed=latest is not None, done_keys=len(self.state.trained) + len(self.state.consumed),
-        )  # fmt: skip
+            "trainer_started",
+            step=self.state.step,
+            version=self.state.version,
+            resumed=latest is not None,
+            done_keys=len(self.state.trained) + len(self.state.consumed),
+        )
 
     # --- lifecycle -----------------------------------------------------------
     def request_stop(self, *_: Any) -> None:
@@ -211,14 +225,23 @@ class Trainer:
         try:
             self._event("stopped", step=self.state.step, version=self.state.version)
             if sys.exc_info()[0] is None:  # a clean exit (not an error on its way out): say so
-                self.heartbeat.stop(version=self.state.version, step=self.state.step,
-                                    open_groups=len(self.books.assembler.open), ready_groups=len(self.books.ready))  # fmt: skip
+                self.heartbeat.stop(
+                    version=self.state.version,
+                    step=self.state.step,
+                    open_groups=len(self.books.assembler.open),
+                    ready_groups=len(self.books.ready),
+                )
         except REDIS_ERRORS:
             pass  # exiting because Redis is gone: the log line below still says so
         self.tracer.close()
-        self.log.info("trainer_stopped", step=self.state.step, version=self.state.version,
-                      dead_lettered=self.dead_lettered + self.consumer.dead_lettered,
-                      redis_outages=self.outage.outages, otel_spans_dropped=self.tracer.dropped)  # fmt: skip
+        self.log.info(
+            "trainer_stopped",
+            step=self.state.step,
+            version=self.state.version,
+            dead_lettered=self.dead_lettered + self.consumer.dead_lettered,
+            redis_outages=self.outage.outages,
+            otel_spans_dropped=self.tracer.dropped,
+        )
 
     def _reached_max_steps(self) -> bool:
         return bool(self.cfg.max_steps) and self.state.step >= self.cfg.max_steps
@@ -253,9 +276,15 @@ class Trainer:
         traj: schemas.Trajectory = delivery.message
         pipe = self.r.pipeline(transaction=True)
         bus.dead_letter(
-            self.r, self.keys.deadletter, source=self.keys.trajectories, entry_id=delivery.entry_id,
-            reason=reason, raw=schemas.encode(traj), group=GROUP_TRAINER, pipe=pipe,
-        )  # fmt: skip
+            self.r,
+            self.keys.deadletter,
+            source=self.keys.trajectories,
+            entry_id=delivery.entry_id,
+            reason=reason,
+            raw=schemas.encode(traj),
+            group=GROUP_TRAINER,
+            pipe=pipe,
+        )
         self.ledger.apply("reject", [traj.key], pipe=pipe)
         pipe.xack(self.keys.trajectories, GROUP_TRAINER, delivery.entry_id)
         pipe.execute()
@@ -266,11 +295,15 @@ class Trainer:
     def _decide(self, group: CompleteGroup) -> GroupDecision:
         caps = TurnCaps(self.cfg.max_turn_tokens, self.cfg.max_turns_per_trajectory, self.config.run.seed)
         decision = decide_group(
-            group.group_id, [m.trajectory for m in group.members],
-            trainer_version=self.state.version, max_staleness=self.cfg.max_staleness,
-            overlong=self.cfg.overlong, max_seq_len=self.cfg.max_seq_len, advantage=self.cfg.advantage,
+            group.group_id,
+            [m.trajectory for m in group.members],
+            trainer_version=self.state.version,
+            max_staleness=self.cfg.max_sample_age,
+            overlong=self.cfg.overlong,
+            max_seq_len=self.cfg.max_seq_len,
+            advantage=self.cfg.advantage,
             caps=caps,
-        )  # fmt: skip
+        )
         self.books.pending.counts.update(decision.capped)  # capped:<cap> in the next commit's metrics
         return decision
 
@@ -301,10 +334,14 @@ class Trainer:
                 )
         if samples:
             metrics.update(self._step_metrics(decisions, samples, stats, counts))
-            metrics.update({
-                "time/wait_s": wait_s, "time/train_s": train_s, "time/publish_s": publish_s,
-                "tokens_per_s": metrics["tokens"] / train_s if train_s > 0 else 0.0,
-            })  # fmt: skip
+            metrics.update(
+                {
+                    "time/wait_s": wait_s,
+                    "time/train_s": train_s,
+                    "time/publish_s": publish_s,
+                    "tokens_per_s": metrics["tokens"] / train_s if train_s > 0 else 0.0,
+                }
+            )
             self._emit_metrics(metrics)
             self.metrics.tokens.labels(kind="trained").inc(metrics["tokens"])
             self.metrics.tokens_per_second.labels(service="trainer").set(metrics["tokens_per_s"])
@@ -395,9 +432,15 @@ class Trainer:
         line = {"step": self.state.step, "version": self.state.version, "time": message.time, **values}
         with open(self.run_dir / "metrics.jsonl", "ab") as handle:
             handle.write(orjson.dumps(line) + b"\n")
-        self.log.info("step", step=self.state.step, version=self.state.version,
-                      loss=round(values.get("loss", 0.0), 5), reward_mean=round(values.get("reward_mean", 0.0), 4),
-                      trajectories=int(values.get("trajectories", 0)), train_s=round(values["time/train_s"], 3))  # fmt: skip
+        self.log.info(
+            "step",
+            step=self.state.step,
+            version=self.state.version,
+            loss=round(values.get("loss", 0.0), 5),
+            reward_mean=round(values.get("reward_mean", 0.0), 4),
+            trajectories=int(values.get("trajectories", 0)),
+            train_s=round(values["time/train_s"], 3),
+        )
 
     def _append_trained_log(self, step: int, keys: list[str]) -> None:
         with open(self.run_dir / TRAINED_LOG, "ab") as handle:
@@ -436,13 +479,20 @@ class Trainer:
 
     def _heartbeat(self) -> None:
         self.heartbeat.beat(
-            version=self.state.version, metrics_port=self.metrics_port, step=self.state.step,
-            open_groups=len(self.books.assembler.open), ready_groups=len(self.books.ready),
-        )  # fmt: skip
+            version=self.state.version,
+            metrics_port=self.metrics_port,
+            step=self.state.step,
+            open_groups=len(self.books.assembler.open),
+            ready_groups=len(self.books.ready),
+        )
 
     def _event(self, name: str, **fields: Any) -> None:
-        bus.publish(self.r, self.keys.events, schemas.Event(run=self.keys.run, service="trainer", name=name, fields=fields),
-                    maxlen=EVENTS_MAXLEN)  # fmt: skip
+        bus.publish(
+            self.r,
+            self.keys.events,
+            schemas.Event(run=self.keys.run, service="trainer", name=name, fields=fields),
+            maxlen=EVENTS_MAXLEN,
+        )
 
 
 def run(config: RunConfig, backend: str | None = None) -> int:
@@ -508,10 +558,13 @@ def run_trainer(
     _on_signal(signal.SIGINT, lambda signum, _frame: early_stop.append(signum))
     built: list[Trainer] = []
     health, port = start_health_server(
-        config.trainer.metrics_host, config.trainer.metrics_port,
+        config.trainer.metrics_host,
+        config.trainer.metrics_port,
         ready=lambda: bool(built) and not built[0].stopping,
-        info=lambda: {"step": built[0].state.step, "version": built[0].state.version} if built else {"loading": True},
-    )  # fmt: skip
+        info=lambda: (
+            {"step": built[0].state.step, "version": built[0].state.version} if built else {"loading": True}
+        ),
+    )
     try:
         trainer = Trainer(config, backend, leader)
         trainer.metrics_port = port

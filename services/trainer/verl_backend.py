@@ -132,9 +132,13 @@ def squall_policy_loss(
 
     cap = float(config.clip_ratio_c)
     pg, ratio, clipped = ppo_tis_token_loss(
-        log_prob, old_log_prob, advantages,
-        clip_low=float(config.clip_ratio_low), clip_high=float(config.clip_ratio_high), tis_cap=cap,
-    )  # fmt: skip
+        log_prob,
+        old_log_prob,
+        advantages,
+        clip_low=float(config.clip_ratio_low),
+        clip_high=float(config.clip_ratio_high),
+        tis_cap=cap,
+    )
     if rollout_is_weights is not None:
         pg = pg * rollout_is_weights
     batch_info = dict(config.get("global_batch_info") or {})
@@ -159,12 +163,23 @@ def verl_actor_config(cfg: TrainerSection, loss_mode: str = SQUALL_LOSS_MODE) ->
     from verl.workers.config import FSDPActorConfig, PolicyLossConfig
 
     return FSDPActorConfig(
-        strategy="fsdp2", rollout_n=1, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=cfg.max_tokens_per_microbatch,
-        clip_ratio=cfg.clip_low, clip_ratio_low=cfg.clip_low, clip_ratio_high=cfg.clip_high, clip_ratio_c=cfg.tis_cap,
+        strategy="fsdp2",
+        rollout_n=1,
+        use_dynamic_bsz=True,
+        ppo_max_token_len_per_gpu=cfg.max_tokens_per_microbatch,
+        clip_ratio=cfg.clip_low,
+        clip_ratio_low=cfg.clip_low,
+        clip_ratio_high=cfg.clip_high,
+        clip_ratio_c=cfg.tis_cap,
         loss_agg_mode="token-mean" if cfg.loss_agg == "token" else "seq-mean-token-mean",
-        entropy_coeff=0.0, calculate_entropy=True, use_kl_loss=cfg.kl_coef > 0, kl_loss_coef=cfg.kl_coef,
-        kl_loss_type="low_var_kl", use_torch_compile=False, policy_loss=PolicyLossConfig(loss_mode=loss_mode),
-    )  # fmt: skip
+        entropy_coeff=0.0,
+        calculate_entropy=True,
+        use_kl_loss=cfg.kl_coef > 0,
+        kl_loss_coef=cfg.kl_coef,
+        kl_loss_type="low_var_kl",
+        use_torch_compile=False,
+        policy_loss=PolicyLossConfig(loss_mode=loss_mode),
+    )
 
 
 def build_engine(config: RunConfig, device: torch.device, *, forward_only: bool = False) -> Any:
@@ -181,16 +196,25 @@ def build_engine(config: RunConfig, device: torch.device, *, forward_only: bool 
     cfg = config.trainer
     # sdpa, whole sequences: what the torch backend runs, on any device (no flash-attn varlen).
     model = HFModelConfig(
-        path=config.model.path, load_tokenizer=False, use_remove_padding=False,
-        enable_gradient_checkpointing=False, override_config={"attn_implementation": "sdpa"},
-    )  # fmt: skip
+        path=config.model.path,
+        load_tokenizer=False,
+        use_remove_padding=False,
+        enable_gradient_checkpointing=False,
+        override_config={"attn_implementation": "sdpa"},
+    )
     precision = "fp32" if device.type == "cpu" else "bf16"
     engine_config = FSDPEngineConfig(
-        strategy="fsdp2", model_dtype="fp32", forward_only=forward_only, use_torch_compile=False,
+        strategy="fsdp2",
+        model_dtype="fp32",
+        forward_only=forward_only,
+        use_torch_compile=False,
         mixed_precision={"param_dtype": precision, "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
-        use_dynamic_bsz=True, use_remove_padding=False, seed=config.run.seed,
-        max_token_len_per_gpu=cfg.max_tokens_per_microbatch, infer_max_token_len_per_gpu=cfg.max_tokens_per_microbatch,
-    )  # fmt: skip
+        use_dynamic_bsz=True,
+        use_remove_padding=False,
+        seed=config.run.seed,
+        max_token_len_per_gpu=cfg.max_tokens_per_microbatch,
+        infer_max_token_len_per_gpu=cfg.max_tokens_per_microbatch,
+    )
     optimizer = FSDPOptimizerConfig(
         lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.999), clip_grad=cfg.grad_clip, lr_warmup_steps=0
     )
@@ -261,10 +285,17 @@ class VerlBackend(TrainerBackend):
         data = left_right_2_no_padding(tu.get_tensordict(tensor_dict=tensors, non_tensor_dict={}))
         longest = max(s.length for s in samples)  # verl refuses a sample longer than the budget
         tu.assign_non_tensor(
-            data, temperature=1.0, use_remove_padding=False, use_fused_kernels=False, use_dynamic_bsz=True,
-            max_token_len_per_gpu=max(self.cfg.max_tokens_per_microbatch, longest), micro_batch_size_per_gpu=1,
-            calculate_entropy=train, global_batch_size=step_samples, pad_token_id=self.pad_id,
-        )  # fmt: skip
+            data,
+            temperature=1.0,
+            use_remove_padding=False,
+            use_fused_kernels=False,
+            use_dynamic_bsz=True,
+            max_token_len_per_gpu=max(self.cfg.max_tokens_per_microbatch, longest),
+            micro_batch_size_per_gpu=1,
+            calculate_entropy=train,
+            global_batch_size=step_samples,
+            pad_token_id=self.pad_id,
+        )
         return data
 
     def _loss(
@@ -358,8 +389,12 @@ class VerlBackend(TrainerBackend):
         return {k: v.detach().to("cpu").clone().contiguous() for k, v in full_state_dict(self.module).items()}
 
     def _rng(self) -> dict[str, Any]:
-        return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}  # fmt: skip
+        return {
+            "torch": torch.get_rng_state(),
+            "numpy": np.random.get_state(),
+            "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        }
 
     def _set_rng(self, rng: dict[str, Any]) -> None:
         torch.set_rng_state(rng["torch"].cpu())
@@ -396,7 +431,10 @@ class VerlBackend(TrainerBackend):
             )
         state = torch.load(path, map_location="cpu", weights_only=False)
         set_state_dict(
-            self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+            self.module,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
             options=StateDictOptions(full_state_dict=True),
-        )  # fmt: skip
+        )
         self._set_rng(state["rng"])

@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from squall.shared.config import RunConfig
+from squall.shared.config import InferenceSection
 
 BACKENDS = ("torch", "vllm")
 
@@ -98,15 +98,16 @@ class Engine(abc.ABC):
         return {"running": 0, "waiting": 0, "forward_passes": 0, "sampled_tokens": 0}
 
 
-def make_engine(config: RunConfig, model_dir: str) -> Engine:
-    """The engine named by `config.inference.backend`."""
-    backend = config.inference.backend
+def make_engine(section: InferenceSection, model_dir: str, *, lora_rank: int = 0) -> Engine:
+    """The engine named by `section.backend`. `lora_rank` > 0: the weights will arrive as
+    adapters of that rank (vLLM must be started for them; torch merges whatever comes)."""
+    backend = section.backend
     if backend == "torch":
         from squall.inference.engines.torch_engine import TorchEngine
 
-        return TorchEngine(model_dir, config.inference)
+        return TorchEngine(model_dir, section)
     if backend == "vllm":
         from squall.inference.engines.vllm_engine import VllmEngine
 
-        return VllmEngine(model_dir, config.inference, lora_rank=config.trainer.lora_rank)
+        return VllmEngine(model_dir, section, lora_rank=lora_rank)
     raise ValueError(f"unknown inference backend {backend!r}; known backends: {', '.join(BACKENDS)}")

@@ -132,8 +132,14 @@ class Reply:
 
     def chunk(self, obj: str, choices: list[dict[str, Any]], version: int, **extra: Any) -> bytes:
         """One SSE event of a stream."""
-        body = {**self.meta, "object": obj, "choices": choices, **extra, "weight_version": version,
-                "node": self.node}  # fmt: skip
+        body = {
+            **self.meta,
+            "object": obj,
+            "choices": choices,
+            **extra,
+            "weight_version": version,
+            "node": self.node,
+        }
         return b"data: " + orjson.dumps(body) + b"\n\n"
 
 

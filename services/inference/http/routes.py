@@ -68,9 +68,15 @@ async def chat_completions(request: Request, state: ServerState) -> Response:
     state.metrics.prompt_tokens.inc(len(prompt_ids))
     reply = render.Reply(
         meta={"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": req.model},
-        node=state.node, prompt_ids=prompt_ids, token_texts=state.token_texts, logprobs=bool(req.logprobs),
-        return_token_ids=req.return_token_ids, prefix=prefix, tool_choice=choice, reasoning=state.reasoning,
-    )  # fmt: skip
+        node=state.node,
+        prompt_ids=prompt_ids,
+        token_texts=state.token_texts,
+        logprobs=bool(req.logprobs),
+        return_token_ids=req.return_token_ids,
+        prefix=prefix,
+        tool_choice=choice,
+        reasoning=state.reasoning,
+    )
     stream = state.engine.generate(prompt_ids, params, stream=req.stream)
     if req.stream:
         first = await anext(stream)
@@ -92,9 +98,12 @@ async def completions(request: Request, state: ServerState) -> Response:
     state.metrics.prompt_tokens.inc(len(prompt_ids))
     reply = render.Reply(
         meta={"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": req.model},
-        node=state.node, prompt_ids=prompt_ids, token_texts=state.token_texts,
-        logprobs=req.logprobs is not None, return_token_ids=req.return_token_ids,
-    )  # fmt: skip
+        node=state.node,
+        prompt_ids=prompt_ids,
+        token_texts=state.token_texts,
+        logprobs=req.logprobs is not None,
+        return_token_ids=req.return_token_ids,
+    )
     stream = state.engine.generate(prompt_ids, params, stream=req.stream)
     if req.stream:
         first = await anext(stream)

@@ -143,8 +143,11 @@ class WeightFollower:
             return
         if target is None:
             if at_start:  # the initial model (version 0) is what a snapshot serves before any version
-                await self._acknowledge(schemas.WeightApplied(
-                    run=self.keys.run, node=self.node, version=self.engine.weight_version, load_s=0.0))  # fmt: skip
+                await self._acknowledge(
+                    schemas.WeightApplied(
+                        run=self.keys.run, node=self.node, version=self.engine.weight_version, load_s=0.0
+                    )
+                )
             return
         if target == self.engine.weight_version and not at_start:
             return
@@ -241,9 +244,11 @@ class WeightFollower:
             try:
                 pipe = self.r.pipeline(transaction=False)
                 pipe.xadd(
-                    self.keys.weights_applied, {schemas.ENTRY_FIELD: schemas.encode(applied)},
-                    maxlen=WEIGHTS_APPLIED_MAXLEN, approximate=True,
-                )  # fmt: skip
+                    self.keys.weights_applied,
+                    {schemas.ENTRY_FIELD: schemas.encode(applied)},
+                    maxlen=WEIGHTS_APPLIED_MAXLEN,
+                    approximate=True,
+                )
                 role = "snapshot" if self.snapshot.pinned else "inference"
                 pipe.hset(self.keys.versions, f"{role}:{self.node}", applied.version)
                 await pipe.execute()
