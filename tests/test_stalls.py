@@ -121,7 +121,7 @@ def test_node_pinned_behind_the_trainer_is_stale_until_it_catches_up(r, run_name
 
 
 def _status(r, run: str) -> dict:
-    config = RunConfig.model_validate({"alerts": {"node_stale_s": 0.5}, "scheduler": {"max_staleness": 1}})
+    config = RunConfig.model_validate({"alerts": {"node_stale_s": 0.5}, "trainer": {"max_sample_age": 1}})
     return collect(r, run, config=config)
 
 
@@ -186,8 +186,9 @@ def test_every_kind_has_an_alert_and_the_rules_pass_promtool(tmp_path):
 
 
 def test_scheduler_config_gives_the_thresholds():
-    config = RunConfig.model_validate({"scheduler": {"task_timeout_s": 50, "max_staleness": 2},
-                                       "alerts": {"step_stall_s": 30}})  # fmt: skip
+    config = RunConfig.model_validate(
+        {"scheduler": {"task_timeout_s": 50}, "trainer": {"max_sample_age": 2}, "alerts": {"step_stall_s": 30}}
+    )
     t = Thresholds.from_config(config)
     assert (t.step_stall_s, t.attempt_stuck_s, t.max_staleness) == (30, 80, 2)
 

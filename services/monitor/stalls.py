@@ -62,7 +62,7 @@ class Thresholds:
             slow_group_factor=alerts.slow_group_factor,
             slow_group_min_s=alerts.slow_group_min_s,
             attempt_stuck_s=alerts.attempt_stuck_s or config.scheduler.task_timeout_s + 30.0,
-            max_staleness=config.scheduler.max_staleness,
+            max_staleness=config.trainer.max_sample_age,  # older turns are filtered as stale
             node_stale_s=alerts.node_stale_s,
             deadletter_window_s=alerts.deadletter_window_s,
             deadletter_min=alerts.deadletter_min,
