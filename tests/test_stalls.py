@@ -187,7 +187,11 @@ def test_every_kind_has_an_alert_and_the_rules_pass_promtool(tmp_path):
 
 def test_scheduler_config_gives_the_thresholds():
     config = RunConfig.model_validate(
-        {"scheduler": {"task_timeout_s": 50}, "trainer": {"max_sample_age": 2}, "alerts": {"step_stall_s": 30}}
+        {
+            "scheduler": {"task_timeout_s": 50},
+            "trainer": {"max_sample_age": 2},
+            "alerts": {"step_stall_s": 30},
+        }
     )
     t = Thresholds.from_config(config)
     assert (t.step_stall_s, t.attempt_stuck_s, t.max_staleness) == (30, 80, 2)
