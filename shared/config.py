@@ -83,7 +83,18 @@ class SchedulerSection(Section):
     max_staleness: int = Field(1, ge=0)
     """No task is dispatched more than this many versions behind the trainer."""
     max_attempts: int = Field(3, ge=1)
-    """Tries per group member before it is dead-lettered."""
+    """Tries per group member before it is dead-lettered. An attempt that failed because no
+    policy node answered (Trajectory.infra) does not count, within the budget below."""
+    infra_retries: int = Field(200, ge=0)
+    """Infrastructure retries one group may take (all members together) before such a failure
+    counts against max_attempts like any other."""
+    infra_retry_s: float = Field(1800.0, gt=0)
+    """Seconds from a group's first infrastructure failure during which such failures are
+    retried for free; past it they count against max_attempts."""
+    infra_backoff_s: float = Field(1.0, gt=0)
+    """First delay before an infrastructure retry starts; doubles per retry of the member."""
+    infra_backoff_max_s: float = Field(30.0, gt=0)
+    """Longest delay before an infrastructure retry starts."""
     task_timeout_s: float = Field(120.0, gt=0)
     """Deadline of one attempt, from dispatch."""
     group_deadline_s: float = Field(600.0, gt=0)
@@ -160,6 +171,9 @@ class RunnerSection(Section):
     """Gateway port (0: any free port)."""
     upstream_retries: int = Field(3, ge=0)
     """Retries of a failed inference call before the agent gets an error."""
+    behind_wait_s: float = Field(60.0, gt=0)
+    """How long a policy call waits for a node serving the task's min_version (every node is
+    behind, e.g. restarting or reloading) before the attempt fails with an infrastructure reason."""
     api_key: str = ""
     """API key the inference nodes require (empty: none)."""
     metrics_port: int = Field(0, ge=0, le=65535)

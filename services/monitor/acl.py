@@ -167,7 +167,7 @@ MATRIX: dict[str, tuple[Grant, ...]] = {
         Grant(STREAM_APPEND + STREAM_READ + STREAM_TRIM, ("rewards", "control", "events", "deadletter"), write=True),
         Grant(STREAM_READ, ("weights", "weights_applied", "metrics"), write=False),
         _LEDGER,
-        Grant(HASH_READ + HASH_WRITE + ("del",), ("groups", "scheduler_state", "config"), write=True),
+        Grant(HASH_READ + HASH_WRITE + ("del",), ("groups", "scheduler_state", "config", "infra"), write=True),
         # The end-of-data handshake (shared/dataend.py): announced once, cleared on a resume.
         Grant(HASH_READ + HASH_WRITE + ("hsetnx", "del"), ("data_end",), write=True),
         Grant(HASH_READ, ("versions", "heartbeats"), write=False),

@@ -54,8 +54,11 @@ class Dispatcher:
     def __init__(self, r: redis.Redis, keys: Keys, ledger: Ledger, section: SchedulerSection) -> None:
         self.r, self.keys, self.ledger, self.section = r, keys, ledger, section
 
-    def tasks_for(self, group: Group, members: Iterable[int], version: int) -> list[schemas.Task]:
-        """The current attempt of each of `members` as a Task, due `task_timeout_s` from now."""
+    def tasks_for(
+        self, group: Group, members: Iterable[int], version: int, not_before: float = 0.0
+    ) -> list[schemas.Task]:
+        """The current attempt of each of `members` as a Task, due `task_timeout_s` after it may
+        start (now, or `not_before`: an infrastructure retry's backoff)."""
         now = time.time()
         return [
             schemas.Task(
@@ -69,18 +72,20 @@ class Dispatcher:
                 mode=group.mode,  # type: ignore[arg-type]
                 payload=group.payload,
                 min_version=version,
-                deadline=now + self.section.task_timeout_s,
+                deadline=max(now, not_before) + self.section.task_timeout_s,
                 epoch=group.epoch,
                 created_at=now,
+                not_before=not_before,
             )
             for i in members
         ]
 
     def queue(
-        self, pipe: redis.client.Pipeline, group: Group, members: Iterable[int], version: int
-    ) -> list[str]:
+        self, pipe: redis.client.Pipeline, group: Group, members: Iterable[int], version: int,
+        not_before: float = 0.0,
+    ) -> list[str]:  # fmt: skip
         """Queue the XADD and the `dispatch` move of `members`' current attempts; their keys."""
-        tasks = self.tasks_for(group, members, version)
+        tasks = self.tasks_for(group, members, version, not_before)
         for task in tasks:
             pipe.xadd(self.keys.tasks, {schemas.ENTRY_FIELD: schemas.encode(task)})
         keys = [task.key for task in tasks]

@@ -70,7 +70,7 @@ from .dispatch import Dispatcher, new_group
 from .ending import Ending
 from .groups import Group
 from .leader import Leadership
-from .outcomes import FAILED_STATUSES, Outcome, Outcomes, decide_outcome
+from .outcomes import FAILED_STATUSES, InfraBudget, Outcome, Outcomes, decide_outcome
 from .trimming import Trimmer
 
 __all__ = ["FAILED_STATUSES", "Cursor", "Group", "Scheduler"]
@@ -112,6 +112,7 @@ class Scheduler:
             "dispatched_groups": 0,
             "outcomes": 0,
             "retries": 0,
+            "infra_retries": 0,
             "deadlettered": 0,
             "duplicates": 0,
         }
@@ -266,16 +267,18 @@ class Scheduler:
             self.lost_lead = True
             return
         group = self.groups.get(traj.group_id)
-        outcome = decide_outcome(group, traj, self.section.max_attempts)
+        outcome = decide_outcome(group, traj, self.section.max_attempts, InfraBudget.of(self.section))
         if group is None or outcome is Outcome.DUPLICATE:
             self.counts["duplicates"] += 1
             self.consumer.ack([delivery.entry_id])
             return
         self.counts["outcomes"] += 1
-        version = self.trainer_version() if outcome is Outcome.RETRY else group.version
+        retried = outcome in (Outcome.RETRY, Outcome.RETRY_INFRA)
+        version = self.trainer_version() if retried else group.version
         if self.outcomes.record(delivery, group, outcome, self.cursor, version):
             self.groups.pop(group.group_id, None)
         self.counts["retries"] += outcome is Outcome.RETRY
+        self.counts["infra_retries"] += outcome is Outcome.RETRY_INFRA
         self.counts["deadlettered"] += outcome is Outcome.GIVE_UP
         if group.complete and group.mode == "val" and not validation.round_open(self.groups.values()):
             self.validation.close(self.cursor)

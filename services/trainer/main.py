@@ -189,11 +189,9 @@ class Trainer:
             last = take == len(self.books.ready)  # before take_ready shortens the list
             self._step(self.books.take_ready(take), last=last)
         self._flush()
-        newest = self.r.xrevrange(self.keys.weights, count=1)
-        published_step = (
-            schemas.decode(newest[0][1][schemas.ENTRY_FIELD], schemas.WeightVersion).step if newest else -1
-        )
-        if published_step < self.state.step:  # steps since the last publication (publish_every > 1)
+        # The checkpoint says which step the newest version holds (the `weights` stream is not
+        # read back: a malformed entry there must not stop the end of the data).
+        if self.state.version_step < self.state.step:  # steps since the last publication (publish_every > 1)
             self._commit(bump=True)
             self.publisher.publish(self.state.version, self.state.step, self.backend.weights())
         dataend.announce_trained(self.r, self.keys, self.state.version, self.state.step)
@@ -323,6 +321,7 @@ class Trainer:
         Returns the commit's counts (filtered:<reason>, late, groups_timed_out) for metrics."""
         if bump:
             self.state.version += 1
+            self.state.version_step = self.state.step
         self.state.commit += 1
         sealed = self.books.seal(self.state.step)
         self.store.save(self.state, self.backend.save_state, sealed.done)
