@@ -212,7 +212,8 @@ class WeightFollower:
             log.error(
                 "weights_rejected", version=message.version, serving=current, reason=reason, error=str(exc)
             )
-            await self._acknowledge(load_s=0.0)  # still the old version: say so, whatever was said before
+            if self.acknowledged != self.engine.weight_version:  # still the old one: make sure it is said
+                await self._acknowledge(load_s=0.0)
             return False
         load_s = time.monotonic() - start
         await self._acknowledge(load_s=load_s)

@@ -23,6 +23,7 @@ our PEL to be handled again, and after EXEC everything is done once.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -112,9 +113,11 @@ class Outcomes:
         self.dispatcher, self.log = dispatcher, log
 
     def record(
-        self, delivery: bus.Delivery, group: Group, outcome: Outcome, cursor: Cursor, version: int
-    ) -> bool:
-        """One MULTI/EXEC for a non-duplicate outcome; True when the group leaves the open set."""
+        self, delivery: bus.Delivery, group: Group, outcome: Outcome, cursor: Cursor, version: int,
+        also: Callable[[redis.client.Pipeline, Group], None] | None = None,
+    ) -> bool:  # fmt: skip
+        """One MULTI/EXEC for a non-duplicate outcome; True when the group leaves the open set.
+        `also` adds the owner's writes that must land with it (a validation round's close)."""
         traj: schemas.Trajectory = delivery.message
         pipe = self.r.pipeline(transaction=True)
         if outcome is Outcome.RECORD_OK:
@@ -131,6 +134,8 @@ class Outcomes:
             self._settle(pipe, group, cursor)
         if hold or not group.complete:
             pipe.hset(self.keys.groups, group.group_id, group.to_json())
+        if also is not None:
+            also(pipe, group)
         pipe.xack(self.keys.trajectories, GROUP_SCHEDULER, delivery.entry_id)
         pipe.execute()
         return group.complete and not hold

@@ -108,6 +108,7 @@ class Scheduler:
         self.groups: dict[str, Group] = {}
         self._order: list[int] | None = None
         self.lost_lead = False  # step() saw a newer leader epoch
+        self.closed_round = False  # the outcome just recorded closed a validation round
         self.counts = {
             "dispatched_groups": 0,
             "outcomes": 0,
@@ -275,13 +276,22 @@ class Scheduler:
         self.counts["outcomes"] += 1
         retried = outcome in (Outcome.RETRY, Outcome.RETRY_INFRA)
         version = self.trainer_version() if retried else group.version
-        if self.outcomes.record(delivery, group, outcome, self.cursor, version):
+        if self.outcomes.record(delivery, group, outcome, self.cursor, version, self._close_round):
             self.groups.pop(group.group_id, None)
         self.counts["retries"] += outcome is Outcome.RETRY
         self.counts["infra_retries"] += outcome is Outcome.RETRY_INFRA
         self.counts["deadlettered"] += outcome is Outcome.GIVE_UP
-        if group.complete and group.mode == "val" and not validation.round_open(self.groups.values()):
-            self.validation.close(self.cursor)
+        if self.closed_round:
+            self.closed_round = False
+            self.validation.closed(self.cursor)
+
+    def _close_round(self, pipe: redis.client.Pipeline, group: Group) -> None:
+        """In the transaction of `group`'s last outcome: the round's reward point, when this was
+        its last open val group (a crash can no longer fall between the two)."""
+        others = (g for g in self.groups.values() if g.group_id != group.group_id)
+        if group.complete and group.mode == "val" and not validation.round_open(others):
+            self.validation.close(self.cursor, pipe)
+            self.closed_round = True
 
     def release_trained(self) -> int:
         """Drop held groups whose ok members the trainer has consumed (no attempt left in `ok`)."""
@@ -367,6 +377,7 @@ class Scheduler:
                 continue  # stopped while standing by, or another scheduler won the race
             if self.ride(lambda: bool(self.cursor.finished) and self.finished, "start"):
                 self.log.info("scheduler_already_finished", samples=self.cursor.samples)
+                self.ride(lambda: self.heartbeat.stop(open_groups=len(self.groups)), "stop")  # not GONE
                 return 0
             self.ride(self._start, "start")
             while not stopped() and self.ride(self.step, "step"):
