@@ -35,8 +35,11 @@ START_WITHIN_S = 60  # a cold start imports torch on a shared 2-core machine
 UNSETTLED = ("pending", "running", "ok", "failed", "timeout")  # states someone still owes a move
 
 
-def write_run_file(tmp: Path, redis_url: str, run: str, model: Path, dataset: Path, port: int) -> Path:
-    sections = {
+def write_run_file(
+    tmp: Path, redis_url: str, run: str, model: Path, dataset: Path, port: int, overrides: dict | None = None
+) -> Path:
+    """The run file of these tests; `overrides` ({section: {key: value}}) changes or adds settings."""
+    sections: dict[str, dict] = {
         "run": {"name": run, "redis_url": redis_url, "dir": str(tmp / "run"), "log_level": "WARNING"},
         "model": {"path": str(model)},
         "scheduler": {"dataset": str(dataset), "group_size": 2, "max_inflight_groups": 3, "max_staleness": 4,
@@ -47,6 +50,8 @@ def write_run_file(tmp: Path, redis_url: str, run: str, model: Path, dataset: Pa
                     "overlong": "keep"},  # truncated: a random model rarely samples eos in 4 tokens
         "inference": {"port": port, "device": "cpu", "torch_threads": 1, "max_model_len": 512},
     }  # fmt: skip
+    for section, values in (overrides or {}).items():
+        sections.setdefault(section, {}).update(values)
     lines = []
     for section, values in sections.items():
         lines.append(f"[{section}]")

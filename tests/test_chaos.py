@@ -1,0 +1,226 @@
+"""Chaos: seeded random faults on a short real run, and nothing is lost or trained twice.
+
+The run is the one of test_ops_sigterm (inference on a tiny random model, the trainer, the
+scheduler and two runners with a tiny-LLM agent, all subprocesses) on a Redis of the test's own
+(AOF on), so that Redis itself can be restarted. While the dataset flows, the test injects
+faults drawn from a seeded generator, every kind at least once:
+
+    kill9       SIGKILL of a runner, the trainer, the scheduler or the inference node, which
+                is started again at once (a preemptible machine coming back)
+    sigstop     a runner paused past its lease, then continued (its tasks were reclaimed)
+    redis       SHUTDOWN of Redis (AOF written), started again on the same port and folder
+    garbage     bytes that are no message XADDed to tasks, trajectories, control or weights
+
+At the end: the ledger balances with nothing left in flight, every sample was dispatched, no
+key was trained twice and every trained key is `trained`, no member was given up for an
+infrastructure reason (the `infra` hash has no given_up:*), each inference node's `versions`
+field equals the version its /health reports, and every service is alive (or, the scheduler,
+exited 0 having finished). The figures are printed.
+
+Reproduce: the seed is printed and kept with the fault log in test-artifacts/chaos-<seed>.jsonl;
+SQUALL_CHAOS_SEED=<seed> runs the same draw again (timings still differ: processes are real).
+SQUALL_CHAOS_FAULTS sets the number of faults (default 32).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+from runner_helpers import Procs, events, log_of, write_jsonl
+from test_ops_sigterm import UNSETTLED, Run, write_run_file
+from waiting import wait_for
+
+from squall.inference.tiny import build_tiny_model
+from squall.shared.keys import Keys
+from squall.shared.ledger import Ledger
+from squall.shared.localredis import LocalRedis, free_port
+
+pytestmark = [pytest.mark.redis, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[1]
+ARTIFACTS = ROOT / "test-artifacts"
+FAULTS = int(os.environ.get("SQUALL_CHAOS_FAULTS", "32"))
+SAMPLES = 40
+LEASE_S = 3.0
+KILLABLE = ("runner-1", "runner-2", "trainer", "scheduler", "inference")
+GARBAGE_STREAMS = ("tasks", "trajectories", "control", "weights")
+# Every kind once, then draws weighted towards the cheap ones (a restart costs seconds of a 2-core machine).
+KINDS = {"kill9": 4, "sigstop": 2, "redis": 1, "garbage": 5}
+GARBAGE = (b"\xc1 not msgpack", b"", b'{"kind": "task"}', os.urandom(64))
+
+
+class Chaos:
+    """Draws and applies faults; every one is appended to the fault log as it happens."""
+
+    def __init__(self, run: Run, server: LocalRedis, seed: int, log_path: Path) -> None:
+        self.run, self.server, self.rng = run, server, random.Random(seed)
+        self.log_path, self.started = log_path, time.monotonic()
+        self.done: Counter[str] = Counter()
+        self.paused: list[threading.Timer] = []
+
+    def plan(self, n: int) -> list[str]:
+        kinds = list(KINDS)
+        plan = kinds + self.rng.choices(kinds, weights=list(KINDS.values()), k=max(0, n - len(kinds)))
+        self.rng.shuffle(plan)
+        return plan
+
+    def note(self, kind: str, **detail: object) -> None:
+        self.done[kind] += 1
+        line = {"t": round(time.monotonic() - self.started, 2), "kind": kind, **detail}
+        with open(self.log_path, "a") as out:
+            out.write(json.dumps(line) + "\n")
+        print(f"chaos {line}")
+
+    def apply(self, kind: str) -> None:
+        getattr(self, f"_{kind}")()
+
+    def _kill9(self) -> None:
+        name = self.rng.choice(KILLABLE)
+        proc = self.run.live[name]
+        if proc.poll() is not None:  # the scheduler, finished: nothing to kill
+            self.note("kill9", target=name, skipped=f"exited {proc.returncode}")
+            return
+        proc.kill()
+        proc.wait(10)
+        self.run.start(name)
+        self.note("kill9", target=name, pid=proc.pid)
+
+    def _sigstop(self) -> None:
+        name = self.rng.choice(("runner-1", "runner-2"))
+        proc = self.run.live[name]
+        pause_s = LEASE_S + self.rng.uniform(1.0, 3.0)
+        proc.send_signal(signal.SIGSTOP)
+        timer = threading.Timer(pause_s, lambda: proc.poll() is None and proc.send_signal(signal.SIGCONT))
+        timer.start()
+        self.paused.append(timer)
+        self.note("sigstop", target=name, pid=proc.pid, pause_s=round(pause_s, 2))
+
+    def _redis(self) -> None:
+        down_s = self.rng.uniform(0.5, 2.0)
+        try:
+            redis.Redis(port=self.server.port).shutdown(nosave=False)
+        except redis.ConnectionError:
+            pass
+        self.server.close()
+        time.sleep(down_s)
+        self.server = LocalRedis(port=self.server.port, data_dir=self.server.data_dir, aof=True).start()
+        self.note("redis", down_s=round(down_s, 2))
+
+    def _garbage(self) -> None:
+        stream = self.rng.choice(GARBAGE_STREAMS)
+        raw = self.rng.choice(GARBAGE)
+        key = getattr(self.run.keys, stream)
+        self.run.r.xadd(key, {b"m": raw} if raw else {b"x": b"no m field"})
+        self.note("garbage", stream=stream, size=len(raw))
+
+    def settle(self) -> None:
+        for timer in self.paused:
+            timer.join()
+
+
+def served_versions(r: redis.Redis, keys: Keys, port: int) -> tuple[dict[str, int], int]:
+    fields = {k.decode(): int(v) for k, v in r.hgetall(keys.versions).items() if k.startswith(b"inference:")}
+    health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).json()
+    return fields, int(health["weight_version"])
+
+
+@pytest.mark.timeout(420)
+def test_seeded_chaos_loses_nothing_and_trains_nothing_twice(tmp_path, run_name):
+    seed = int(os.environ.get("SQUALL_CHAOS_SEED") or random.SystemRandom().randrange(1 << 31))
+    ARTIFACTS.mkdir(exist_ok=True)
+    log_path = ARTIFACTS / f"chaos-{seed}.jsonl"
+    log_path.write_text(json.dumps({"seed": seed, "faults": FAULTS, "samples": SAMPLES}) + "\n")
+    print(f"chaos seed {seed} (SQUALL_CHAOS_SEED={seed} repeats the draw); fault log {log_path}")
+
+    server = LocalRedis(data_dir=tmp_path / "redis", aof=True).start()
+    # The test's own client rides through the Redis restarts it causes.
+    r = redis.Redis.from_url(server.url, retry=Retry(ExponentialBackoff(cap=1.0), 20),
+                             retry_on_error=[redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError])  # fmt: skip
+    model = build_tiny_model(tmp_path / "model")
+    rows = [{"id": f"s{i}", "question": f"What is {i} plus {i}?", "sleep": 0.5} for i in range(SAMPLES)]
+    dataset = write_jsonl(tmp_path / "data.jsonl", rows)
+    port = free_port()
+    config = write_run_file(tmp_path, server.url, run_name, model, dataset, port, overrides={
+        "run": {"redis_outage_s": 90.0, "autostart_redis": False},
+        "scheduler": {"max_attempts": 3, "standby_after_s": 3.0, "max_inflight_groups": 4,
+                      "infra_backoff_s": 0.5, "infra_backoff_max_s": 4.0},
+        "runner": {"lease_s": LEASE_S, "upstream_retries": 2, "behind_wait_s": 30.0, "concurrency": 3},
+    })  # fmt: skip
+    procs = Procs(server.url, run_name, tmp_path)
+    run = Run(r, procs, config, port)
+    chaos = Chaos(run, server, seed, log_path)
+    started = time.monotonic()
+    try:
+        for name in ("inference", "trainer", "runner-1", "runner-2"):
+            run.start(name)
+        for name in ("inference", "trainer", "runner-1", "runner-2"):
+            run.wait_started(name)
+        run.start("scheduler")
+        wait_for(lambda: run.flowing_after(0), 60, "work flowing before the first fault")
+
+        for kind in chaos.plan(FAULTS):
+            time.sleep(chaos.rng.uniform(0.5, 2.5))
+            assert run.live["scheduler"].poll() is None or chaos.done.total() >= FAULTS, (
+                f"the run finished after {chaos.done.total()} faults; raise SAMPLES"
+            )
+            chaos.apply(kind)
+        chaos.settle()
+        faults_s = time.monotonic() - started
+
+        scheduler = run.live["scheduler"]
+        assert scheduler.wait(180) == 0, log_of(scheduler)[-3000:]
+        assert events(r, run_name, "finished"), "the scheduler exited without finishing"
+        wait_for(run.settled, 90, "every attempt trained, filtered or retired and every entry acked")
+
+        keys = Keys(run_name)
+        ledger = Ledger(r, keys)
+        counts = ledger.counts()
+        infra = {k.decode(): int(v) for k, v in r.hgetall(keys.infra).items()}
+        trained = run.trained_keys()
+        twice = [k for k, n in Counter(trained).items() if n > 1]
+        wait_for(lambda: len(set(served_versions(r, keys, port)[0].values()) | {served_versions(r, keys, port)[1]}) == 1,
+                 30, "versions to equal what the node serves")  # fmt: skip
+        fields, health = served_versions(r, keys, port)
+        samples_done = {key.decode().split(":")[0] for key in r.hkeys(keys.attempts)}
+        deadletters = r.xlen(keys.deadletter)
+        print(f"chaos figures: seed={seed} faults={dict(chaos.done)} ({chaos.done.total()} in {faults_s:.0f}s), "
+              f"ledger={counts}, infra={infra}, trained_keys={len(trained)}, trained_twice={len(twice)}, "
+              f"dead_letters={deadletters}, versions={fields} health={health}, "
+              f"total={time.monotonic() - started:.0f}s")  # fmt: skip
+
+        assert chaos.done.total() >= FAULTS and set(chaos.done) == set(KINDS), chaos.done
+        assert ledger.balanced(), counts
+        assert not [s for s in UNSETTLED if counts.get(s)], counts  # 0 lost: nothing owed a move
+        assert len(samples_done) == SAMPLES  # every sample's group was dispatched
+        assert not twice, f"trained twice: {twice[:5]}"
+        assert trained and {ledger.state_of(key) for key in trained} == {"trained"}
+        assert counts.get("trained", 0) == len(trained)
+        assert not {k: v for k, v in infra.items() if k.startswith("given_up:")}, infra
+        assert fields and set(fields.values()) == {health}, (fields, health)
+        for name in ("inference", "trainer", "runner-1", "runner-2"):
+            proc = run.live[name]
+            assert proc.poll() is None, f"{name} is not running at the end:\n{log_of(proc)[-3000:]}"
+        with open(log_path, "a") as out:
+            out.write(json.dumps({"result": "passed", "ledger": counts, "infra": infra}) + "\n")
+    finally:
+        chaos.settle()
+        procs.stop_all()
+        for proc in procs.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(5)
+        chaos.server.close()
+        for proc in procs.procs:
+            assert proc.poll() is not None
