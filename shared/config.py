@@ -56,6 +56,16 @@ class RunSection(Section):
     redis_outage_s: float = Field(120.0, gt=0)
     """How long a service rides through a Redis outage (retrying with backoff) before it exits
     non-zero naming the URL."""
+    redis_durability: Literal["off", "warn", "refuse"] = "warn"
+    """At start, the scheduler and the trainer check that Redis keeps an fsynced AOF
+    (appendonly yes, appendfsync everysec or always; docs/operating.md): warn logs
+    `redis_not_durable` and goes on, refuse exits naming the setting, off skips the check."""
+    redis_waitaof: bool = False
+    """After the writes that must survive a host crash before they count (the trainer's ledger
+    moves and acks after a checkpoint, the scheduler's dispatch), wait for Redis to fsync them
+    (WAITAOF, Redis 7.2 or newer)."""
+    redis_waitaof_timeout_ms: int = Field(2000, ge=1)
+    """Longest WAITAOF wait; past it the service logs `redis_waitaof_late` and goes on."""
 
 
 class ModelSection(Section):

@@ -125,6 +125,12 @@ class Keys:
         return self.key_for("versions")
 
     @property
+    def durable(self) -> str:
+        """Hash: `trainer_commit` -> the trainer's last commit whose ledger moves and acks Redis
+        holds; less than its checkpoint's commit minus one means Redis lost writes (shared.durability)."""
+        return self.key_for("durable")
+
+    @property
     def infra(self) -> str:
         """Hash: `retried:<reason>` and `given_up:<reason>` -> attempts that failed because no
         policy node answered (Trajectory.infra), retried for free or counted as the agent's."""

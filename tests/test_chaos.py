@@ -54,10 +54,11 @@ ARTIFACTS = ROOT / "test-artifacts"
 FAULTS = int(os.environ.get("SQUALL_CHAOS_FAULTS", "32"))
 SAMPLES = 40
 LEASE_S = 3.0
-KILLABLE = ("runner-1", "runner-2", "trainer", "scheduler", "inference")
-GARBAGE_STREAMS = ("tasks", "trajectories", "control", "weights")
-# Every kind once, then draws weighted towards the cheap ones (a restart costs seconds of a 2-core machine).
-KINDS = {"kill9": 4, "sigstop": 2, "redis": 1, "garbage": 5}
+# Every fault once, then draws weighted towards the cheap ones (a restart costs seconds of a 2-core machine).
+KINDS = {
+    "kill9:runner": 2, "kill9:trainer": 1, "kill9:scheduler": 1, "kill9:inference": 1, "sigstop:runner": 2,
+    "redis:restart": 1, "garbage:tasks": 1, "garbage:trajectories": 1, "garbage:control": 1, "garbage:weights": 2,
+}  # fmt: skip
 GARBAGE = (b"\xc1 not msgpack", b"", b'{"kind": "task"}', os.urandom(64))
 
 
@@ -74,6 +75,10 @@ class Chaos:
         kinds = list(KINDS)
         plan = kinds + self.rng.choices(kinds, weights=list(KINDS.values()), k=max(0, n - len(kinds)))
         self.rng.shuffle(plan)
+        # Issue 21's stall: a malformed newest `weights` entry, then an inference restart.
+        garbage, restart = plan.index("garbage:weights"), plan.index("kill9:inference")
+        if restart < garbage:
+            plan[garbage], plan[restart] = plan[restart], plan[garbage]
         return plan
 
     def note(self, kind: str, **detail: object) -> None:
@@ -84,20 +89,21 @@ class Chaos:
         print(f"chaos {line}")
 
     def apply(self, kind: str) -> None:
-        getattr(self, f"_{kind}")()
+        action, target = kind.split(":")
+        getattr(self, f"_{action}")(target)
 
-    def _kill9(self) -> None:
-        name = self.rng.choice(KILLABLE)
+    def _kill9(self, service: str) -> None:
+        name = self.rng.choice(("runner-1", "runner-2")) if service == "runner" else service
         proc = self.run.live[name]
         if proc.poll() is not None:  # the scheduler, finished: nothing to kill
-            self.note("kill9", target=name, skipped=f"exited {proc.returncode}")
+            self.note(f"kill9:{service}", target=name, skipped=f"exited {proc.returncode}")
             return
         proc.kill()
         proc.wait(10)
         self.run.start(name)
-        self.note("kill9", target=name, pid=proc.pid)
+        self.note(f"kill9:{service}", target=name, pid=proc.pid)
 
-    def _sigstop(self) -> None:
+    def _sigstop(self, _: str) -> None:
         name = self.rng.choice(("runner-1", "runner-2"))
         proc = self.run.live[name]
         pause_s = LEASE_S + self.rng.uniform(1.0, 3.0)
@@ -105,9 +111,9 @@ class Chaos:
         timer = threading.Timer(pause_s, lambda: proc.poll() is None and proc.send_signal(signal.SIGCONT))
         timer.start()
         self.paused.append(timer)
-        self.note("sigstop", target=name, pid=proc.pid, pause_s=round(pause_s, 2))
+        self.note("sigstop:runner", target=name, pid=proc.pid, pause_s=round(pause_s, 2))
 
-    def _redis(self) -> None:
+    def _redis(self, _: str) -> None:
         down_s = self.rng.uniform(0.5, 2.0)
         try:
             redis.Redis(port=self.server.port).shutdown(nosave=False)
@@ -116,14 +122,13 @@ class Chaos:
         self.server.close()
         time.sleep(down_s)
         self.server = LocalRedis(port=self.server.port, data_dir=self.server.data_dir, aof=True).start()
-        self.note("redis", down_s=round(down_s, 2))
+        self.note("redis:restart", down_s=round(down_s, 2))
 
-    def _garbage(self) -> None:
-        stream = self.rng.choice(GARBAGE_STREAMS)
+    def _garbage(self, stream: str) -> None:
         raw = self.rng.choice(GARBAGE)
         key = getattr(self.run.keys, stream)
         self.run.r.xadd(key, {b"m": raw} if raw else {b"x": b"no m field"})
-        self.note("garbage", stream=stream, size=len(raw))
+        self.note(f"garbage:{stream}", size=len(raw))
 
     def settle(self) -> None:
         for timer in self.paused:

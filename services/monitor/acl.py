@@ -194,6 +194,7 @@ MATRIX: dict[str, tuple[Grant, ...]] = {
         Grant(STREAM_READ, ("weights_applied",), write=False),
         Grant(("hset", "hget", "hgetall"), ("versions",), write=True),
         Grant(("hset", "hgetall"), ("data_end",), write=True),  # the end-of-data answer
+        Grant(("hset", "hget"), ("durable",), write=True),  # its last settled commit (shared.durability)
         _LEDGER,
     ),
     # Follows `weights` (no group: every node sees every entry), acknowledges versions.

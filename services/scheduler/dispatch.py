@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from typing import Any
 
 import redis
 
-from squall.shared import schemas
+from squall.shared import durability, schemas
 from squall.shared.config import SchedulerSection
 from squall.shared.keys import Keys
 from squall.shared.ledger import Ledger
@@ -51,8 +52,12 @@ def new_group(cursor: Cursor, sample: Sample, mode: str, size: int, version: int
 class Dispatcher:
     """Builds the tasks of a group's members and queues or commits them."""
 
-    def __init__(self, r: redis.Redis, keys: Keys, ledger: Ledger, section: SchedulerSection) -> None:
+    def __init__(
+        self, r: redis.Redis, keys: Keys, ledger: Ledger, section: SchedulerSection,
+        *, waitaof_ms: int = 0, log: Any = None,
+    ) -> None:  # fmt: skip
         self.r, self.keys, self.ledger, self.section = r, keys, ledger, section
+        self.waitaof_ms, self.log = waitaof_ms, log  # waitaof_ms > 0: each commit waits for its fsync
 
     def tasks_for(
         self, group: Group, members: Iterable[int], version: int, not_before: float = 0.0
@@ -100,3 +105,5 @@ class Dispatcher:
             pipe.hset(self.keys.groups, group.group_id, group.to_json())
         pipe.hset(self.keys.scheduler_state, mapping=cursor.fields())
         pipe.execute()
+        if self.waitaof_ms:  # runners may act on these tasks at once: not lost to a host crash
+            durability.waitaof(self.r, self.waitaof_ms, self.log, "scheduler_dispatch")

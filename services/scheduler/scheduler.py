@@ -54,7 +54,7 @@ from typing import TypeVar
 
 import redis
 
-from squall.shared import bus, dataend, schemas
+from squall.shared import bus, dataend, durability, schemas
 from squall.shared.config import RunConfig
 from squall.shared.heartbeat import HeartbeatWriter
 from squall.shared.keys import GROUP_RUNNERS, GROUP_SCHEDULER, Keys
@@ -99,7 +99,9 @@ class Scheduler:
         self.leadership = Leadership(
             r, keys, self.heartbeat.field, section.standby_after_s, section.poll_s, self.log
         )
-        self.dispatcher = Dispatcher(r, keys, self.ledger, section)
+        run = config.run
+        self.dispatcher = Dispatcher(r, keys, self.ledger, section,
+                                     waitaof_ms=run.redis_waitaof_timeout_ms if run.redis_waitaof else 0, log=self.log)  # fmt: skip
         self.outcomes = Outcomes(r, keys, self.ledger, section, self.dispatcher, self.log)
         self.validation = validation.Validation(r, keys, section, self.dispatcher, self.log)
         self.ending = Ending(r, keys, section, self.log)
@@ -393,6 +395,8 @@ class Scheduler:
 
     def _start(self) -> None:
         self.started = time.monotonic()
+        durability.check(self.r, self.config.run.redis_durability, self.log, service="scheduler",
+                         want_waitaof=self.config.run.redis_waitaof)  # fmt: skip
         if not self.exhausted:  # data left (a resumed run, more epochs): no end is announced
             dataend.clear(self.r, self.keys)
         self.log.info("scheduler_started", train=len(self.splits.train), val=len(self.splits.val),

@@ -42,7 +42,7 @@ import numpy as np
 import orjson
 
 from squall.ops.metrics import standard_metrics
-from squall.shared import bus, dataend, schemas
+from squall.shared import bus, dataend, durability, schemas
 from squall.shared.config import RunConfig
 from squall.shared.heartbeat import HeartbeatWriter
 from squall.shared.keys import EVENTS_MAXLEN, GROUP_TRAINER, METRICS_MAXLEN, Keys
@@ -111,6 +111,8 @@ class Trainer:
             config.run.redis_url, config.run.redis_outage_s, self.log,
             on_outage=self.metrics.errors.labels(kind="redis_outage").inc,
         )  # fmt: skip
+        durability.check(self.r, config.run.redis_durability, self.log, service="trainer",
+                         want_waitaof=config.run.redis_waitaof)  # fmt: skip
         self._observe_state()
         self._reconcile_trained_log()
         self.log.info(
@@ -149,6 +151,7 @@ class Trainer:
         get their ledger moves again and are acked)."""
         self.books.reset()
         bus.ensure_group(self.r, self.keys.trajectories, GROUP_TRAINER)
+        self._detect_lost_writes()
         self._ensure_published()
         if announce:
             self._event("started", step=self.state.step, version=self.state.version)
@@ -338,7 +341,26 @@ class Trainer:
             self.ledger.apply(name, keys, reason=reason, pipe=pipe)
         if entry_ids:
             pipe.xack(self.keys.trajectories, GROUP_TRAINER, *entry_ids)
+        pipe.hset(self.keys.durable, "trainer_commit", self.state.commit)
         pipe.execute()
+        if self.config.run.redis_waitaof:  # the acks may not be lost to a host crash once we go on
+            durability.waitaof(self.r, self.config.run.redis_waitaof_timeout_ms, self.log, "trainer_settle")
+
+    def _detect_lost_writes(self) -> None:
+        """Redis older than our checkpoint (an AOF tail lost to a host crash): said loudly, and
+        healed by what follows, since every entry read again is settled from the done set and
+        never trained twice; trajectories Redis lost entirely are attempts it will run again."""
+        raw = self.r.hget(self.keys.durable, "trainer_commit")
+        seen = durability.LostWrites(int(raw) if raw is not None else 0, self.state.commit)
+        if not seen.lost:
+            return
+        self.metrics.errors.labels(kind="redis_lost_writes").inc()
+        self._event(
+            "redis_lost_writes", redis_commit=seen.redis_commit, checkpoint_commit=seen.checkpoint_commit
+        )
+        self.log.error("redis_lost_writes", redis_commit=seen.redis_commit, checkpoint_commit=seen.checkpoint_commit,
+                       advice="Redis came back without writes it had accepted: check appendfsync and the host; "
+                              "see docs/operating.md, Durability")  # fmt: skip
 
     # --- outputs ---------------------------------------------------------------
     def _ensure_published(self) -> None:
