@@ -28,6 +28,7 @@ from waiting import wait_for
 from squall.inference.tiny import build_tiny_model
 from squall.runner.gateway import Gateway
 from squall.scheduler.outcomes import InfraBudget, Outcome, decide_outcome
+from squall.scheduler.status import collect, render
 from squall.shared import schemas, weightstream
 from squall.shared.config import RunnerSection, load_config
 from squall.shared.keys import Keys
@@ -226,6 +227,8 @@ def test_an_inference_outage_gives_no_member_up(tiny_dir, r, redis_url, run_name
     retried = infra_counts(r, run_name)["retried:connection"]
     assert counts == {"dispatched": 8 + retried, "ok": 8, "retried": retried}, counts
     assert set(infra_counts(r, run_name)) == {"retried:connection"}  # none charged, none given up
+    shown = render(collect(r, run_name)).splitlines()
+    assert f"infra      retried:connection={retried}" in shown, shown
     failed = [t for t in trajectories(r, run_name) if t.status != "ok"]
     assert len(failed) == retried and all(t.infra == "connection" for t in failed)
     backed_off = [t for t in tasks(r, run_name) if t.attempt > 0]

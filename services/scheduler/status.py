@@ -76,6 +76,7 @@ def collect(r: Any, run: str, rewards: int = 10) -> dict[str, Any]:
         "skipped": snap.skipped,
         "warnings": [w.fields() for w in snap.warnings],
         "tools": pool_summary(r, run),
+        "infra": {k.decode(): int(v) for k, v in r.hgetall(Keys(run).infra).items()},
     }
 
 
@@ -86,6 +87,8 @@ def render(status: dict[str, Any]) -> str:
     check = "OK" if ledger["balanced"] else "MISMATCH"
     states = "  ".join(f"{k}={v}" for k, v in sorted(ledger["states"].items()))
     lines.append(f"ledger     dispatched={ledger['dispatched']}  {states}  conservation {check}")
+    if status.get("infra"):  # attempts failed because no policy node answered (scheduler outcomes)
+        lines.append("infra      " + "  ".join(f"{k}={v}" for k, v in sorted(status["infra"].items())))
     lines.append("streams")
     for name, info in status["streams"].items():
         groups = "  ".join(
