@@ -11,8 +11,9 @@ faults drawn from a seeded generator, every kind at least once:
     redis       SHUTDOWN of Redis (AOF written), started again on the same port and folder
     garbage     bytes that are no message XADDed to tasks, trajectories, control or weights
 
-At the end: the ledger balances with nothing left in flight, every sample was dispatched, no
-key was trained twice and every trained key is `trained`, no member was given up for an
+Once the last fault is in, the run is drained (Control `drain`: no new group, the open ones
+run to their end). Then: the ledger balances with nothing left in flight, every group
+dispatched rolled out, no key was trained twice and every trained key is `trained`, no member was given up for an
 infrastructure reason (the `infra` hash has no given_up:*), each inference node's `versions`
 field equals the version its /health reports, and every service is alive (or, the scheduler,
 exited 0 having finished). The figures are printed.
@@ -43,6 +44,7 @@ from test_ops_sigterm import UNSETTLED, Run, write_run_file
 from waiting import wait_for
 
 from squall.inference.tiny import build_tiny_model
+from squall.shared import bus, schemas
 from squall.shared.keys import Keys
 from squall.shared.ledger import Ledger
 from squall.shared.localredis import LocalRedis, free_port
@@ -52,7 +54,7 @@ pytestmark = [pytest.mark.redis, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts"
 FAULTS = int(os.environ.get("SQUALL_CHAOS_FAULTS", "32"))
-SAMPLES = 40
+SAMPLES = 400  # more than the faults take: the run is drained once the last fault is in
 LEASE_S = 3.0
 # Every fault once, then draws weighted towards the cheap ones (a restart costs seconds of a 2-core machine).
 KINDS = {
@@ -177,16 +179,16 @@ def test_seeded_chaos_loses_nothing_and_trains_nothing_twice(tmp_path, run_name)
 
         for kind in chaos.plan(FAULTS):
             time.sleep(chaos.rng.uniform(0.5, 2.5))
-            assert run.live["scheduler"].poll() is None or chaos.done.total() >= FAULTS, (
-                f"the run finished after {chaos.done.total()} faults; raise SAMPLES"
-            )
+            assert run.live["scheduler"].poll() is None, f"the run ended after {chaos.done.total()} faults"
             chaos.apply(kind)
         chaos.settle()
         faults_s = time.monotonic() - started
+        # Drain: no new group, the open ones run to their end, then the scheduler finishes.
+        bus.publish(r, run.keys.control, schemas.Control(run=run_name, action="drain"))
 
         scheduler = run.live["scheduler"]
         assert scheduler.wait(180) == 0, log_of(scheduler)[-3000:]
-        assert events(r, run_name, "finished"), "the scheduler exited without finishing"
+        assert [e.fields["reason"] for e in events(r, run_name, "finished")][-1:] == ["drained"]
         wait_for(run.settled, 90, "every attempt trained, filtered or retired and every entry acked")
 
         keys = Keys(run_name)
@@ -198,7 +200,7 @@ def test_seeded_chaos_loses_nothing_and_trains_nothing_twice(tmp_path, run_name)
         wait_for(lambda: len(set(served_versions(r, keys, port)[0].values()) | {served_versions(r, keys, port)[1]}) == 1,
                  30, "versions to equal what the node serves")  # fmt: skip
         fields, health = served_versions(r, keys, port)
-        samples_done = {key.decode().split(":")[0] for key in r.hkeys(keys.attempts)}
+        groups_dispatched = {key.decode().split(":")[0] for key in r.hkeys(keys.attempts)}
         deadletters = r.xlen(keys.deadletter)
         print(f"chaos figures: seed={seed} faults={dict(chaos.done)} ({chaos.done.total()} in {faults_s:.0f}s), "
               f"ledger={counts}, infra={infra}, trained_keys={len(trained)}, trained_twice={len(twice)}, "
@@ -208,7 +210,8 @@ def test_seeded_chaos_loses_nothing_and_trains_nothing_twice(tmp_path, run_name)
         assert chaos.done.total() >= FAULTS and set(chaos.done) == set(KINDS), chaos.done
         assert ledger.balanced(), counts
         assert not [s for s in UNSETTLED if counts.get(s)], counts  # 0 lost: nothing owed a move
-        assert len(samples_done) == SAMPLES  # every sample's group was dispatched
+        open_groups = [json.loads(raw) for raw in r.hvals(keys.groups)]  # only those held for the trainer
+        assert groups_dispatched and all(g["rolled_out"] for g in open_groups), open_groups
         assert not twice, f"trained twice: {twice[:5]}"
         assert trained and {ledger.state_of(key) for key in trained} == {"trained"}
         assert counts.get("trained", 0) == len(trained)
