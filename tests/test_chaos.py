@@ -90,6 +90,17 @@ class Chaos:
             out.write(json.dumps(line) + "\n")
         print(f"chaos {line}")
 
+    def revive(self) -> None:
+        """Act as the supervisor (systemd's Restart=on-failure): a service that exited non-zero
+        (e.g. started while Redis was down: a start waits only a few seconds for Redis) is
+        logged with its last words and started again. A finished scheduler (exit 0) stays down."""
+        for name, proc in list(self.run.live.items()):
+            if proc.poll() is None or (name == "scheduler" and proc.returncode == 0):
+                continue
+            last = log_of(proc).strip().splitlines()[-1:] or [""]
+            self.note("exited", target=name, rc=proc.returncode, last=last[0][:300])
+            self.run.start(name)
+
     def apply(self, kind: str) -> None:
         action, target = kind.split(":")
         getattr(self, f"_{action}")(target)
@@ -173,15 +184,17 @@ def test_seeded_chaos_loses_nothing_and_trains_nothing_twice(tmp_path, run_name)
         for name in ("inference", "trainer", "runner-1", "runner-2"):
             run.start(name)
         for name in ("inference", "trainer", "runner-1", "runner-2"):
-            run.wait_started(name)
+            run.wait_started(name, within_s=180)  # cold starts import torch: slow on a busy machine
         run.start("scheduler")
         wait_for(lambda: run.flowing_after(0), 60, "work flowing before the first fault")
 
         for kind in chaos.plan(FAULTS):
             time.sleep(chaos.rng.uniform(0.5, 2.5))
+            chaos.revive()
             assert run.live["scheduler"].poll() is None, f"the run ended after {chaos.done.total()} faults"
             chaos.apply(kind)
         chaos.settle()
+        chaos.revive()
         faults_s = time.monotonic() - started
         # Drain: no new group, the open ones run to their end, then the scheduler finishes.
         bus.publish(r, run.keys.control, schemas.Control(run=run_name, action="drain"))
@@ -189,7 +202,16 @@ def test_seeded_chaos_loses_nothing_and_trains_nothing_twice(tmp_path, run_name)
         scheduler = run.live["scheduler"]
         assert scheduler.wait(180) == 0, log_of(scheduler)[-3000:]
         assert [e.fields["reason"] for e in events(r, run_name, "finished")][-1:] == ["drained"]
-        wait_for(run.settled, 90, "every attempt trained, filtered or retired and every entry acked")
+        try:
+            wait_for(run.settled, 90, "every attempt trained, filtered or retired and every entry acked")
+        except AssertionError as exc:
+            unsettled = {k.decode(): v.decode() for k, v in r.hgetall(run.keys.attempts).items()
+                         if v.decode() in UNSETTLED}  # fmt: skip
+            trainer_log = log_of(run.live["trainer"])[-2000:]
+            raise AssertionError(
+                f"{exc}: ledger {run.counts()}, groups {run.group_infos()}, "
+                f"unsettled {dict(list(unsettled.items())[:10])}, trainer log {trainer_log}"
+            ) from None
 
         keys = Keys(run_name)
         ledger = Ledger(r, keys)
@@ -207,7 +229,7 @@ def test_seeded_chaos_loses_nothing_and_trains_nothing_twice(tmp_path, run_name)
               f"dead_letters={deadletters}, versions={fields} health={health}, "
               f"total={time.monotonic() - started:.0f}s")  # fmt: skip
 
-        assert chaos.done.total() >= FAULTS and set(chaos.done) == set(KINDS), chaos.done
+        assert sum(chaos.done[k] for k in KINDS) >= FAULTS and set(KINDS) <= set(chaos.done), chaos.done
         assert ledger.balanced(), counts
         assert not [s for s in UNSETTLED if counts.get(s)], counts  # 0 lost: nothing owed a move
         open_groups = [json.loads(raw) for raw in r.hvals(keys.groups)]  # only those held for the trainer

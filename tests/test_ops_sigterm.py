@@ -76,7 +76,7 @@ class Run:
         self.live[name] = proc
         return proc
 
-    def wait_started(self, name: str) -> None:
+    def wait_started(self, name: str, within_s: float = START_WITHIN_S) -> None:
         proc = self.live[name]
         service = name.split("-")[0]
         if service == "inference":
@@ -85,7 +85,7 @@ class Run:
             check = lambda: self._beat_of("scheduler") is not None  # noqa: E731
         else:
             check = lambda: self._beat_of(service, proc.pid) is not None  # noqa: E731
-        wait_for(lambda: self._alive(name) and check(), START_WITHIN_S, f"{name} to start")
+        wait_for(lambda: self._alive(name) and check(), within_s, f"{name} to start")
 
     def stop(self, name: str) -> float:
         """SIGTERM, and the exit status must be 0 within the service's grace period."""
