@@ -30,8 +30,9 @@ LOGPROB_DTYPE = np.dtype("<f4")
 Mode = Literal["train", "val"]
 # Why an attempt failed for the infrastructure's sake, not the agent's (Trajectory.infra):
 # connection (no node took the call), http (every node answered 5xx/429), behind (no node
-# served the task's min_version before runner.behind_wait_s).
-INFRA_REASONS = ("connection", "http", "behind")
+# served the task's min_version before runner.behind_wait_s), deadline (the attempt's
+# deadline passed while a policy call was still waiting on inference).
+INFRA_REASONS = ("connection", "http", "behind", "deadline")
 Status = Literal["ok", "failed", "timeout", "cancelled"]
 ControlAction = Literal["pause", "resume", "drain", "limits"]
 

@@ -325,3 +325,30 @@ def test_load_config_knows_the_new_settings():
     assert config.scheduler.infra_retries == 5 and config.runner.behind_wait_s == 2.0
     with pytest.raises(Exception, match="infra_backoff_s"):
         load_config(env={}, overrides={"scheduler": {"infra_backoff_s": 0}})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_deadline_passed_waiting_on_inference_is_an_infrastructure_failure(r, run_name, tmp_path, procs):
+    """A node that takes the connection and never answers (hung, paused): the attempt's
+    deadline passes inside the gateway's call, so it is `deadline`, not the agent's timeout."""
+    import socket
+
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(64)  # accepts (the kernel completes the handshake) and never says a word
+    try:
+        data = write_jsonl(tmp_path / "d.jsonl", [{"id": 0}])
+        procs.start("runner", "--agent", "gateway_agents:needs_inference", "--concurrency", "2",
+                    "--inference-url", f"http://127.0.0.1:{hung.getsockname()[1]}")  # fmt: skip
+        heartbeats = Keys(run_name).heartbeats
+        wait_for(lambda: any(k.startswith(b"runner:") for k in r.hkeys(heartbeats)), 60, "the runner up")
+        sched = procs.start("scheduler", "--dataset", str(data), "--group-size", "1",
+                            SQUALL_SCHEDULER__MAX_ATTEMPTS="1", SQUALL_SCHEDULER__INFRA_RETRIES="2",
+                            SQUALL_SCHEDULER__TASK_TIMEOUT_S="3")  # fmt: skip
+        assert sched.wait(90) == 0, log_of(sched)[-3000:]
+    finally:
+        hung.close()
+    assert infra_counts(r, run_name) == {"retried:deadline": 2, "given_up:deadline": 1}
+    assert [(t.status, t.infra) for t in trajectories(r, run_name)] == [("timeout", "deadline")] * 3
+    assert Ledger(r, Keys(run_name)).counts() == {"dispatched": 3, "retried": 2, "deadlettered": 1}

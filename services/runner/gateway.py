@@ -68,6 +68,7 @@ class Attempt:
     llm_s: float = 0.0  # seconds spent waiting for inference
     min_version: int = 0  # the task's min_version: no policy turn is served by older weights
     infra: str = ""  # a policy call failed for good, and why (schemas.INFRA_REASONS); "" if none did
+    waiting: int = 0  # policy calls waiting on inference right now
     seat_models: dict[str, str] = field(default_factory=dict)  # seat -> opponent model playing it
 
 
@@ -267,6 +268,7 @@ class Gateway:
             body["return_token_ids"] = True
             body["logprobs"] = True
         started = time.perf_counter()
+        attempt.waiting += frozen_url is None
         try:
             status, reply, node = await self._post(attempt, route, body, frozen_url, model)
         except UpstreamError as exc:
@@ -275,6 +277,8 @@ class Gateway:
                 attempt.infra = exc.reason
             self.log.warning("upstream_failed", attempt=attempt.key, reason=exc.reason, error=str(exc))
             return _error(502, str(exc), kind="upstream_unavailable")
+        finally:
+            attempt.waiting -= frozen_url is None
         latency = time.perf_counter() - started
         attempt.llm_s += latency
         if status != 200:

@@ -341,8 +341,11 @@ class Runner:
         agent_s = time.perf_counter() - agent_started
         self.gateway.close(attempt.token)
         timings = {"queue": max(0.0, taken - task.created_at), "agent": agent_s, "llm": attempt.llm_s}
-        # A failure while no policy node answered is the infrastructure's, not the agent's.
+        # A failure while no policy node answered is the infrastructure's, not the agent's; so
+        # is a deadline that passed while a policy call was still waiting on inference.
         infra = attempt.infra if status != "ok" else ""
+        if status == "timeout" and not infra and attempt.waiting:
+            infra = "deadline"
         trajectory = self._trajectory(task, status, reward=reward, error=error, turns=attempt.turns,
                                       timings=timings, final_answer=attempt.final_answer, infra=infra)  # fmt: skip
         await self._publish(delivery, trajectory, taken)
