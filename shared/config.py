@@ -93,6 +93,16 @@ class RunSection(Section):
     redis_outage_s: float = Field(120.0, gt=0)
     """How long a service rides through a Redis outage (retrying with backoff) before it exits
     non-zero naming the URL."""
+    redis_durability: Literal["off", "warn", "refuse"] = "warn"
+    """At start, the scheduler and the trainer check that Redis keeps an fsynced AOF
+    (appendonly yes, appendfsync everysec or always; docs/operating.md): warn logs
+    `redis_not_durable` and goes on, refuse exits naming the setting, off skips the check."""
+    redis_waitaof: bool = False
+    """After the writes that must survive a host crash before they count (the trainer's ledger
+    moves and acks after a checkpoint, the scheduler's dispatch), wait for Redis to fsync them
+    (WAITAOF, Redis 7.2 or newer)."""
+    redis_waitaof_timeout_ms: int = Field(2000, ge=1)
+    """Longest WAITAOF wait; past it the service logs `redis_waitaof_late` and goes on."""
 
 
 class ModelSection(Section):
@@ -124,7 +134,18 @@ class SchedulerSection(Section):
     versions before the trainer's newest (0: no rollout runs on weights older than the newest).
     Was `max_staleness`."""
     max_attempts: int = Field(3, ge=1)
-    """Tries per group member before it is dead-lettered."""
+    """Tries per group member before it is dead-lettered. An attempt that failed because no
+    policy node answered (Trajectory.infra) does not count, within the budget below."""
+    infra_retries: int = Field(200, ge=0)
+    """Infrastructure retries one group may take (all members together) before such a failure
+    counts against max_attempts like any other."""
+    infra_retry_s: float = Field(1800.0, gt=0)
+    """Seconds from a group's first infrastructure failure during which such failures are
+    retried for free; past it they count against max_attempts."""
+    infra_backoff_s: float = Field(1.0, gt=0)
+    """First delay before an infrastructure retry starts; doubles per retry of the member."""
+    infra_backoff_max_s: float = Field(30.0, gt=0)
+    """Longest delay before an infrastructure retry starts."""
     task_timeout_s: float = Field(120.0, gt=0)
     """Deadline of one attempt, from dispatch."""
     group_deadline_s: float = Field(600.0, gt=0)
@@ -205,6 +226,9 @@ class RunnerSection(Section):
     """Gateway port (0: any free port)."""
     upstream_retries: int = Field(3, ge=0)
     """Retries of a failed inference call before the agent gets an error."""
+    behind_wait_s: float = Field(60.0, gt=0)
+    """How long a policy call waits for a node serving the task's min_version (every node is
+    behind, e.g. restarting or reloading) before the attempt fails with an infrastructure reason."""
     api_key: str = ""
     """API key the inference nodes require (empty: none)."""
     metrics_port: int = Field(0, ge=0, le=65535)

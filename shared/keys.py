@@ -126,6 +126,18 @@ class Keys:
         return self.key_for("versions")
 
     @property
+    def durable(self) -> str:
+        """Hash: `trainer_commit` -> the trainer's last commit whose ledger moves and acks Redis
+        holds; less than its checkpoint's commit minus one means Redis lost writes (shared.durability)."""
+        return self.key_for("durable")
+
+    @property
+    def infra(self) -> str:
+        """Hash: `retried:<reason>` and `given_up:<reason>` -> attempts that failed because no
+        policy node answered (Trajectory.infra), retried for free or counted as the agent's."""
+        return self.key_for("infra")
+
+    @property
     def data_end(self) -> str:
         """Hash: the end-of-data handshake (shared.dataend): the scheduler's `scheduler_at`
         (no training group is coming), the trainer's `trainer_version` (all trained, published)."""

@@ -28,6 +28,11 @@ TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
 
 Mode = Literal["train", "val"]
+# Why an attempt failed for the infrastructure's sake, not the agent's (Trajectory.infra):
+# connection (no node took the call), http (every node answered 5xx/429), behind (no node
+# served the task's min_version before runner.behind_wait_s), deadline (the attempt's
+# deadline passed while a policy call was still waiting on inference).
+INFRA_REASONS = ("connection", "http", "behind", "deadline")
 Status = Literal["ok", "failed", "timeout", "cancelled"]
 ControlAction = Literal["pause", "resume", "drain", "limits"]
 
@@ -79,6 +84,7 @@ class Task(Message, kw_only=True, tag="task"):
     deadline: float  # unix time by which the attempt must finish, or it is a timeout
     epoch: int = 0  # dataset epoch the sample came from
     created_at: float = msgspec.field(default_factory=time.time)  # unix time of dispatch
+    not_before: float = 0.0  # unix time before which no runner starts it (an infrastructure retry's backoff)
 
     def validate(self) -> None:
         super().validate()
@@ -156,6 +162,7 @@ class Trajectory(Message, kw_only=True, tag="trajectory"):
     timings: dict[str, float] = {}  # seconds: queue, agent, llm, reward ...
     min_version: int = 0  # copied from the Task
     final_answer: str | None = None  # the agent's last assistant message, for reward functions
+    infra: str = ""  # why no policy node answered, when that failed the attempt (INFRA_REASONS); "" otherwise
     finished_at: float = msgspec.field(default_factory=time.time)
 
     @property

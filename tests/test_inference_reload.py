@@ -103,9 +103,10 @@ def test_reload_mid_traffic_never_mixes_versions(tiny_dir, models, r, redis_url,
             assert max(abs(a - b) for a, b in zip(logprobs, other, strict=True)) > 1e-2
 
         keys = Keys(run_name)
-        (entry_id, fields), *_ = r.xrange(keys.weights_applied)
-        applied = schemas.decode(fields[schemas.ENTRY_FIELD], schemas.WeightApplied)
-        assert (applied.node, applied.version) == ("n1", 1) and applied.load_s > 0
+        started, loaded = [schemas.decode(f[schemas.ENTRY_FIELD], schemas.WeightApplied)
+                           for _, f in r.xrange(keys.weights_applied)]  # fmt: skip
+        assert (started.node, started.version) == ("n1", 0)  # on start: what it serves, nothing loaded
+        assert (loaded.node, loaded.version) == ("n1", 1) and loaded.load_s > 0
         assert r.hget(keys.versions, "inference:n1") == b"1"
         assert b"inference:n1" in r.hkeys(keys.heartbeats)
     finally:
@@ -129,7 +130,10 @@ def test_corrupt_or_missing_weights_keep_the_old_version(tiny_dir, models, r, re
 
         reply = node.client().chat.completions.create(model="policy", messages=MESSAGES, max_tokens=4)
         assert reply.model_extra["weight_version"] == 0  # still serving, still version 0
-        assert r.xlen(Keys(run_name).weights_applied) == 0
+        applied = [schemas.decode(f[schemas.ENTRY_FIELD], schemas.WeightApplied).version
+                   for _, f in r.xrange(Keys(run_name).weights_applied)]  # fmt: skip
+        assert applied == [0]  # said once, at start; no rejected version was ever claimed
+        assert r.hget(Keys(run_name).versions, "inference:n1") == b"0"
 
         publish(r, run_name, 4, location, checksum)  # a good file is still taken afterwards
         wait_for(lambda: httpx.get(f"{node.url}/health").json()["weight_version"] == 4)

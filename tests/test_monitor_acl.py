@@ -456,3 +456,23 @@ def test_secret_folders_inside_the_checkout_are_git_ignored():
     if done.returncode == 128:
         pytest.skip(f"not a git checkout: {done.stderr.strip()}")
     assert done.stdout.split() == paths
+
+
+@pytest.mark.parametrize("user", [name for name in acl.SERVICES if name != "trainer"])
+def test_only_the_trainer_appends_to_weights(users, user):
+    """Garbage XADDed to `weights` by any other service user is refused and never reaches a
+    reader; the trainer's own announcement goes through and is what the readers find."""
+    from squall.shared import weightstream
+
+    trainer = users["trainer"]
+    bus.publish(
+        trainer, K.weights, schemas.WeightVersion(run=RUN, version=3, step=3, location="/w", checksum="ab")
+    )
+    assert not any(name for name, grants in acl.MATRIX.items() if name != "trainer" for g in grants
+                   if "weights" in g.keys and g.write and set(g.commands) & {"xadd"})  # fmt: skip
+    assert refused(users[user].xadd, K.weights, {"m": b"\x00garbage"}), f"{user} may append to weights"
+    assert refused(users[user].xadd, K.weights, {"m": schemas.encode(
+        schemas.WeightVersion(run=RUN, version=99, step=99, location="/evil", checksum="00"))})  # fmt: skip
+    assert users["admin"].xlen(K.weights) == 1
+    found = weightstream.newest_valid(users["admin"], K.weights, "test")
+    assert found.version is not None and found.version.version == 3 and found.skipped == 0

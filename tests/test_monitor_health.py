@@ -105,6 +105,7 @@ def test_queue_collector_reports_lag_pending_and_ledger(r, run_name, registry):
     bus.publish_many(r, keys.tasks, tasks)
     Ledger(r, keys).move([t.key for t in tasks], "pending", allowed_from=["new"])
     consumer.read(1, block_ms=10)
+    r.hincrby(keys.infra, "retried:connection", 3)  # as the scheduler counts infrastructure retries
     registry.register(QueueCollector(r, keys))
     server, port = start_health_server(registry=registry)
     try:
@@ -116,6 +117,7 @@ def test_queue_collector_reports_lag_pending_and_ledger(r, run_name, registry):
     assert 'squall_stream_length_entries{stream="tasks"} 3.0' in text
     assert 'squall_ledger_attempts{state="pending"} 3.0' in text
     assert "squall_ledger_balanced 1.0" in text
+    assert 'squall_infra_attempts{outcome="retried",reason="connection"} 3.0' in text
 
 
 @pytest.mark.slow

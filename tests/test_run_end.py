@@ -147,14 +147,16 @@ def publish_groups(r, keys: Keys, model, groups: int) -> set[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("groups", "steps", "version", "last_step_version"),
+    ("groups", "steps", "version", "last_step_version", "garbage"),
     [
-        (5, 3, 1, 1),  # 2 + 2, then the last group alone: a smaller step, published though 3 % 4 != 0
-        (4, 2, 1, 0),  # 2 + 2, nothing left: the unpublished steps get a version of their own after
+        (5, 3, 1, 1, False),  # 2 + 2, then the last group alone: a smaller step, published though 3 % 4 != 0
+        (4, 2, 1, 0, False),  # 2 + 2, nothing left: the unpublished steps get a version of their own after
+        # the newest `weights` entry malformed (issue 21): the trainer neither reads nor trusts it
+        (4, 2, 1, 0, True),
     ],
 )
 def test_the_trainer_trains_what_it_holds_when_the_data_ends(
-    tmp_path, r, redis_url, run_name, groups, steps, version, last_step_version
+    tmp_path, r, redis_url, run_name, groups, steps, version, last_step_version, garbage
 ):
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM
@@ -177,6 +179,9 @@ def test_the_trainer_trains_what_it_holds_when_the_data_ends(
         assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
         assert Ledger(r, keys).counts().get("ok", 0) == held and len(trained_log(run_dir)) == 2
         assert int(r.hget(keys.versions, "trainer")) == 0  # publish_every=4: nothing published yet
+        if garbage:
+            r.xadd(keys.weights, {schemas.ENTRY_FIELD: b"\xc1 not a WeightVersion"})
+            r.xadd(keys.weights, {b"other": b"no m field"})
         dataend.announce_data_end(r, keys, samples=groups)  # as the scheduler does
         answer = wait_for(lambda: dataend.read(r, keys).trainer_version is not None and dataend.read(r, keys),
                           60, "the trainer's answer")  # fmt: skip

@@ -35,8 +35,11 @@ START_WITHIN_S = 60  # a cold start imports torch on a shared 2-core machine
 UNSETTLED = ("pending", "running", "ok", "failed", "timeout")  # states someone still owes a move
 
 
-def write_run_file(tmp: Path, redis_url: str, run: str, model: Path, dataset: Path, port: int) -> Path:
-    sections = {
+def write_run_file(
+    tmp: Path, redis_url: str, run: str, model: Path, dataset: Path, port: int, overrides: dict | None = None
+) -> Path:
+    """The run file of these tests; `overrides` ({section: {key: value}}) changes or adds settings."""
+    sections: dict[str, dict] = {
         "run": {"name": run, "redis_url": redis_url, "dir": str(tmp / "run"), "log_level": "WARNING"},
         "model": {"path": str(model)},
         "scheduler": {"dataset": str(dataset), "group_size": 2, "max_inflight_groups": 3, "max_dispatch_lag": 4,
@@ -47,6 +50,8 @@ def write_run_file(tmp: Path, redis_url: str, run: str, model: Path, dataset: Pa
                     "overlong": "keep"},  # truncated: a random model rarely samples eos in 4 tokens
         "inference": {"port": port, "device": "cpu", "torch_threads": 1, "max_model_len": 512},
     }  # fmt: skip
+    for section, values in (overrides or {}).items():
+        sections.setdefault(section, {}).update(values)
     lines = []
     for section, values in sections.items():
         lines.append(f"[{section}]")
@@ -71,7 +76,7 @@ class Run:
         self.live[name] = proc
         return proc
 
-    def wait_started(self, name: str) -> None:
+    def wait_started(self, name: str, within_s: float = START_WITHIN_S) -> None:
         proc = self.live[name]
         service = name.split("-")[0]
         if service == "inference":
@@ -80,7 +85,7 @@ class Run:
             check = lambda: self._beat_of("scheduler") is not None  # noqa: E731
         else:
             check = lambda: self._beat_of(service, proc.pid) is not None  # noqa: E731
-        wait_for(lambda: self._alive(name) and check(), START_WITHIN_S, f"{name} to start")
+        wait_for(lambda: self._alive(name) and check(), within_s, f"{name} to start")
 
     def stop(self, name: str) -> float:
         """SIGTERM, and the exit status must be 0 within the service's grace period."""

@@ -181,7 +181,9 @@ MATRIX: dict[str, tuple[Grant, ...]] = {
         ),
         Grant(STREAM_READ, ("weights", "weights_applied", "metrics"), write=False),
         _LEDGER,
-        Grant(HASH_READ + HASH_WRITE + ("del",), ("groups", "scheduler_state", "config"), write=True),
+        Grant(
+            HASH_READ + HASH_WRITE + ("del",), ("groups", "scheduler_state", "config", "infra"), write=True
+        ),
         # The end-of-data handshake (shared/dataend.py): announced once, cleared on a resume.
         Grant(HASH_READ + HASH_WRITE + ("hsetnx", "del"), ("data_end",), write=True),
         Grant(HASH_READ, ("versions", "heartbeats"), write=False),
@@ -212,6 +214,7 @@ MATRIX: dict[str, tuple[Grant, ...]] = {
         Grant(STREAM_READ, ("weights_applied",), write=False),
         Grant(("hset", "hget", "hgetall"), ("versions",), write=True),
         Grant(("hset", "hgetall"), ("data_end",), write=True),  # the end-of-data answer
+        Grant(("hset", "hget"), ("durable",), write=True),  # its last settled commit (shared.durability)
         _LEDGER,
     ),
     # Follows `weights` (no group: every node sees every entry), acknowledges versions.

@@ -10,6 +10,7 @@ so one dashboard or alert rule reads any deployment:
 | squall_stream_length_entries | gauge | stream | QueueCollector |
 | squall_ledger_attempts | gauge | state | QueueCollector (shared.ledger counts) |
 | squall_ledger_balanced | gauge | | QueueCollector (1 when conservation holds) |
+| squall_infra_attempts | gauge | outcome, reason | QueueCollector: attempts failed because no policy node answered (`infra` hash: retried / charged / given_up) |
 | squall_attempts_total | counter | status | runner: one per finished attempt (ok/failed/timeout/cancelled) |
 | squall_rollout_seconds | histogram | mode | runner: wall time of one attempt |
 | squall_inflight_attempts | gauge | | runner: slots busy now |
@@ -118,10 +119,19 @@ class QueueCollector(Collector):
         balanced = GaugeMetricFamily(
             "squall_ledger_balanced", "1 when every dispatched attempt is in one state"
         )
+        infra = GaugeMetricFamily(
+            "squall_infra_attempts",
+            "Attempts failed because no policy node answered, by what the scheduler did",
+            labels=["outcome", "reason"],
+        )
         try:  # only the parts of the run state this collector shows, not a whole snapshot
             streams, attempts = read_streams(self.r, self.keys), read_ledger(self.r, self.keys)
+            infra_counts = self.r.hgetall(self.keys.infra)
         except Exception:  # a scrape must not fail because Redis is briefly away
             return
+        for field, n in infra_counts.items():
+            outcome, _, reason = field.decode().partition(":")
+            infra.add_metric([outcome, reason], int(n))
         for name, stream in streams.items():
             length.add_metric([name], stream.length)
             for group in stream.groups:
@@ -131,4 +141,4 @@ class QueueCollector(Collector):
         for state, n in attempts.counts.items():
             ledger.add_metric([state], n)
         balanced.add_metric([], 1.0 if attempts.balanced else 0.0)
-        yield from (lag, pending, length, ledger, balanced)
+        yield from (lag, pending, length, ledger, balanced, infra)

@@ -49,6 +49,7 @@ def collect(r: Any, run: str, rewards: int = 10, config: Any = None) -> dict[str
             s.fields() for s in detect(r, Keys(run), thresholds_for(r, Keys(run), config or RunConfig()))
         ],
         "tools": pool_summary(r, run),
+        "infra": {k.decode(): int(v) for k, v in r.hgetall(Keys(run).infra).items()},
     }
 
 
@@ -60,6 +61,8 @@ def render(status: dict[str, Any]) -> str:
     check = "OK" if ledger["balanced"] else "MISMATCH"
     states = "  ".join(f"{k}={v}" for k, v in sorted(ledger["counts"].items()))
     lines.append(f"ledger     dispatched={ledger['dispatched']}  {states}  conservation {check}")
+    if status.get("infra"):  # attempts failed because no policy node answered (scheduler outcomes)
+        lines.append("infra      " + "  ".join(f"{k}={v}" for k, v in sorted(status["infra"].items())))
     lines.append("streams")
     for name, length in status["streams"].items():
         groups = "  ".join(

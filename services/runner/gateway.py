@@ -15,6 +15,14 @@ Upstream failures (connection errors, 5xx, 429) are retried with backoff, on ano
 when there is one; then the agent gets a 502 whose message says what failed (and, for a
 frozen model, which `frozen_models` endpoint is down).
 
+A policy call is never served by a node below the task's `min_version`: a node known to be
+behind (from its last reply, or its /health) is passed over; when every node is behind (all
+restarting or still loading the version), the call waits up to `runner.behind_wait_s`,
+polling their /health. A reply that comes back from an older version is discarded and the
+call tried again. A policy call that fails for good marks the attempt with an infrastructure
+reason (`Attempt.infra`: connection, http, behind): the runner reports it on the trajectory
+and the scheduler retries it without charging the agent's `max_attempts`.
+
 Seats (multi-agent tasks): with `runner.seats` set, only those agent names are served. With
 `opponent_fraction` > 0, each attempt hands that share of the seats to `opponent_model`
 (`opponent_seats`, a draw seeded by the GRPO group, so a group's members face the same
@@ -60,7 +68,9 @@ class Attempt:
     llm_s: float = 0.0  # seconds spent waiting for inference
     call_starts: list[float] = field(default_factory=list)  # unix time each turn's call began (for tracing)
     trace_parent: Callable[[int], str] | None = None  # tracing on: turn index -> `traceparent` sent upstream
-    min_version: int = 0  # the task's min_version: nodes known to serve older weights come last
+    min_version: int = 0  # the task's min_version: no policy turn is served by older weights
+    infra: str = ""  # a policy call failed for good, and why (schemas.INFRA_REASONS); "" if none did
+    waiting: int = 0  # policy calls waiting on inference right now
     seat_models: dict[str, str] = field(default_factory=dict)  # seat -> opponent model playing it
 
 
@@ -80,7 +90,14 @@ def opponent_seats(seats: list[str], fraction: float, group_id: str) -> list[str
 
 
 class UpstreamError(Exception):
-    """Inference could not answer after every retry."""
+    """Inference could not answer after every retry; `reason` is one of schemas.INFRA_REASONS."""
+
+    def __init__(self, message: str, reason: str = "connection") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+BEHIND_POLL_S = 0.5  # how often every node's /health is asked while all are behind
 
 
 class Pool:
@@ -257,12 +274,17 @@ class Gateway:
             body["return_token_ids"] = True
             body["logprobs"] = True
         started = time.perf_counter()
+        attempt.waiting += frozen_url is None
         try:
             status, reply, node = await self._post(attempt, route, body, frozen_url, model)
         except UpstreamError as exc:
             attempt.llm_s += time.perf_counter() - started
-            self.log.warning("upstream_failed", attempt=attempt.key, error=str(exc))
+            if frozen_url is None:
+                attempt.infra = exc.reason
+            self.log.warning("upstream_failed", attempt=attempt.key, reason=exc.reason, error=str(exc))
             return _error(502, str(exc), kind="upstream_unavailable")
+        finally:
+            attempt.waiting -= frozen_url is None
         latency = time.perf_counter() - started
         attempt.llm_s += latency
         if status != 200:
@@ -286,12 +308,14 @@ class Gateway:
         payload = orjson.dumps(body)
         tried: set[str] = set()
         errors: list[str] = []
+        reason = "connection"
         for retry in range(self.section.upstream_retries + 1):
             if retry:
                 await asyncio.sleep(RETRY_BACKOFF_S * 2 ** (retry - 1))
             if frozen_url is not None:
                 base = frozen_url
             else:
+                await self._await_version(attempt.min_version)
                 sticky = attempt.node if attempt.node and attempt.node not in tried else None
                 if sticky and self.pool.behind(sticky, attempt.min_version):
                     sticky = None  # a node that caught up beats the prefix cache
@@ -306,6 +330,7 @@ class Gateway:
             except httpx.HTTPError as exc:
                 errors.append(f"{base}: {type(exc).__name__} {exc}".strip())
                 tried.add(base)
+                reason = "connection"
                 continue
             finally:
                 if frozen_url is None:
@@ -313,15 +338,22 @@ class Gateway:
             if response.status_code in RETRYABLE_STATUS:
                 errors.append(f"{base}: HTTP {response.status_code} {response.text[:200]}")
                 tried.add(base)
+                reason = "http"
                 continue
             try:
                 reply = orjson.loads(response.content)
             except orjson.JSONDecodeError:
                 errors.append(f"{base}: HTTP {response.status_code} with a non-JSON body")
                 tried.add(base)
+                reason = "http"
                 continue
             if frozen_url is None and isinstance(reply, dict) and "weight_version" in reply:
-                self.pool.versions[base] = int(reply["weight_version"])
+                served = int(reply["weight_version"])
+                self.pool.versions[base] = served
+                if 0 <= served < attempt.min_version:  # e.g. the node restarted on older weights
+                    errors.append(f"{base}: served version {served}, the task needs {attempt.min_version}")
+                    reason = "behind"
+                    continue
             return response.status_code, reply, base
         where = (
             f"the endpoint of frozen model {model!r} in runner.frozen_models ({frozen_url}) is up"
@@ -330,8 +362,34 @@ class Gateway:
         )
         raise UpstreamError(
             f"inference failed {len(errors)} time(s) for route /v1/{route}: {'; '.join(errors[-3:])}"
-            f" — check that {where}"
+            f" — check that {where}",
+            reason,
         )
+
+    async def _await_version(self, min_version: int) -> None:
+        """Return once some policy node is not known to be behind `min_version`; while every
+        node is, poll their /health. UpstreamError (reason behind) past runner.behind_wait_s."""
+        if not all(self.pool.behind(url, min_version) for url in self.pool.urls):
+            return
+        deadline = time.monotonic() + self.section.behind_wait_s
+        while True:
+            for url in self.pool.urls:
+                try:
+                    reply = await self.client.get(f"{url.removesuffix('/v1')}/health", timeout=2.0)
+                    self.pool.versions[url] = int(reply.json()["weight_version"])
+                except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                    continue  # a node still starting: its last known version stands
+            if not all(self.pool.behind(url, min_version) for url in self.pool.urls):
+                return
+            if time.monotonic() >= deadline:
+                versions = ", ".join(f"{u}={v}" for u, v in self.pool.versions.items())
+                raise UpstreamError(
+                    f"no policy node served version >= {min_version} within runner.behind_wait_s="
+                    f"{self.section.behind_wait_s}s (last seen: {versions}); check that the nodes "
+                    "follow the weights stream (inference.follow_weights) and can load the newest version",
+                    "behind",
+                )
+            await asyncio.sleep(BEHIND_POLL_S)
 
     def _record(
         self,

@@ -336,6 +336,8 @@ class Runner:
             self.counts["skipped"] += 1
             return
         await self._call("attempt", self.ledger.apply, "take", [task.key])
+        if task.not_before > time.time():  # an infrastructure retry's backoff (scheduler outcomes)
+            await asyncio.sleep(min(task.not_before, task.deadline) - time.time())
         remaining = task.deadline - time.time()
         if remaining <= 0:
             error = f"deadline passed {-remaining:.1f}s before the attempt started (waited in the queue)"
@@ -381,6 +383,11 @@ class Runner:
         agent_s = time.perf_counter() - agent_started
         self.gateway.close(attempt.token)
         timings = {"queue": max(0.0, taken - task.created_at), "agent": agent_s, "llm": attempt.llm_s}
+        # A failure while no policy node answered is the infrastructure's, not the agent's; so
+        # is a deadline that passed while a policy call was still waiting on inference.
+        infra = attempt.infra if status != "ok" else ""
+        if status == "timeout" and not infra and attempt.waiting:
+            infra = "deadline"
         trajectory = self._trajectory(
             task,
             status,
@@ -389,6 +396,7 @@ class Runner:
             turns=attempt.turns,
             timings=timings,
             final_answer=attempt.final_answer,
+            infra=infra,
         )
         self.tracer.attempt(trajectory, began, time.time(), attempt.call_starts)
         await self._publish(delivery, trajectory, taken)

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from typing import Any
 
 import redis
 
-from squall.shared import schemas
+from squall.shared import durability, schemas
 from squall.shared.config import SchedulerSection
 from squall.shared.keys import Keys
 from squall.shared.ledger import Ledger
@@ -51,11 +52,24 @@ def new_group(cursor: Cursor, sample: Sample, mode: str, size: int, version: int
 class Dispatcher:
     """Builds the tasks of a group's members and queues or commits them."""
 
-    def __init__(self, r: redis.Redis, keys: Keys, ledger: Ledger, section: SchedulerSection) -> None:
+    def __init__(
+        self,
+        r: redis.Redis,
+        keys: Keys,
+        ledger: Ledger,
+        section: SchedulerSection,
+        *,
+        waitaof_ms: int = 0,
+        log: Any = None,
+    ) -> None:
         self.r, self.keys, self.ledger, self.section = r, keys, ledger, section
+        self.waitaof_ms, self.log = waitaof_ms, log  # waitaof_ms > 0: each commit waits for its fsync
 
-    def tasks_for(self, group: Group, members: Iterable[int], version: int) -> list[schemas.Task]:
-        """The current attempt of each of `members` as a Task, due `task_timeout_s` from now."""
+    def tasks_for(
+        self, group: Group, members: Iterable[int], version: int, not_before: float = 0.0
+    ) -> list[schemas.Task]:
+        """The current attempt of each of `members` as a Task, due `task_timeout_s` after it may
+        start (now, or `not_before`: an infrastructure retry's backoff)."""
         now = time.time()
         return [
             schemas.Task(
@@ -69,18 +83,24 @@ class Dispatcher:
                 mode=group.mode,  # type: ignore[arg-type]
                 payload=group.payload,
                 min_version=version,
-                deadline=now + self.section.task_timeout_s,
+                deadline=max(now, not_before) + self.section.task_timeout_s,
                 epoch=group.epoch,
                 created_at=now,
+                not_before=not_before,
             )
             for i in members
         ]
 
     def queue(
-        self, pipe: redis.client.Pipeline, group: Group, members: Iterable[int], version: int
+        self,
+        pipe: redis.client.Pipeline,
+        group: Group,
+        members: Iterable[int],
+        version: int,
+        not_before: float = 0.0,
     ) -> list[str]:
         """Queue the XADD and the `dispatch` move of `members`' current attempts; their keys."""
-        tasks = self.tasks_for(group, members, version)
+        tasks = self.tasks_for(group, members, version, not_before)
         for task in tasks:
             pipe.xadd(self.keys.tasks, {schemas.ENTRY_FIELD: schemas.encode(task)})
         keys = [task.key for task in tasks]
@@ -95,3 +115,5 @@ class Dispatcher:
             pipe.hset(self.keys.groups, group.group_id, group.to_json())
         pipe.hset(self.keys.scheduler_state, mapping=cursor.fields())
         pipe.execute()
+        if self.waitaof_ms:  # runners may act on these tasks at once: not lost to a host crash
+            durability.waitaof(self.r, self.waitaof_ms, self.log, "scheduler_dispatch")

@@ -27,6 +27,8 @@ class Group:
     done: list[bool] = field(default_factory=list)  # member settled (ok or dead-lettered)
     rewards: list[float | None] = field(default_factory=list)  # reward of each ok member
     rolled_out: bool = False  # every member settled; held until the trainer consumed it
+    infra: list[int] = field(default_factory=list)  # free infrastructure retries per member (empty: none yet)
+    infra_since: float = 0.0  # unix time of the group's first infrastructure failure (0: none)
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, separators=(",", ":"))
@@ -42,6 +44,10 @@ class Group:
     def attempt_key(self, index: int) -> str:
         """The ledger key of member `index`'s current attempt (as `Task.key` spells it)."""
         return f"{self.group_id}:{index}#{self.attempts[index]}"
+
+    def infra_retries(self, index: int) -> int:
+        """Retries of member `index` that failed for the infrastructure and were not charged."""
+        return self.infra[index] if self.infra else 0
 
     def ok_rewards(self) -> list[float]:
         return [x for x in self.rewards if x is not None]

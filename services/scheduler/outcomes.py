@@ -9,11 +9,22 @@ our PEL to be handled again, and after EXEC everything is done once.
                (a late or repeated trajectory): only acked
     record_ok  status ok: the member is done with its reward (val: ledger ok -> validated)
     retry      failed/timeout/cancelled with tries left: ledger -> retried, attempt+1 dispatched
+    retry_infra  failed because no policy node answered (Trajectory.infra) while the group's
+               infrastructure budget lasts (`infra_retries` retries within `infra_retry_s` of
+               its first such failure): as retry, but not charged to `max_attempts`, and the
+               new task starts only after a backoff (`infra_backoff_s`, doubling per retry of
+               the member, at most `infra_backoff_max_s`); counted in the `infra` hash as
+               `retried:<reason>`
     give_up    failed/timeout/cancelled in all `max_attempts`: ledger -> deadlettered + dead letter
+               (an infrastructure failure past the budget is charged and, if it gives up,
+               counted as `given_up:<reason>`)
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from enum import StrEnum
 
 import redis
@@ -36,11 +47,41 @@ class Outcome(StrEnum):
     DUPLICATE = "duplicate"
     RECORD_OK = "record_ok"
     RETRY = "retry"
+    RETRY_INFRA = "retry_infra"
     GIVE_UP = "give_up"
 
 
-def decide_outcome(group: Group | None, traj: schemas.Trajectory, max_attempts: int) -> Outcome:
-    """What `traj` does to `group` (None: the group is closed already)."""
+@dataclass(frozen=True)
+class InfraBudget:
+    """How many free infrastructure retries a group gets, and for how long."""
+
+    retries: int  # per group, all members together
+    window_s: float  # from the group's first infrastructure failure
+
+    @classmethod
+    def of(cls, section: SchedulerSection) -> InfraBudget:
+        return cls(section.infra_retries, section.infra_retry_s)
+
+    def allows(self, group: Group, now: float) -> bool:
+        if sum(group.infra) >= self.retries:
+            return False
+        return not group.infra_since or now - group.infra_since < self.window_s
+
+
+def infra_backoff_s(section: SchedulerSection, retries_so_far: int) -> float:
+    """Delay before a member's next infrastructure retry starts."""
+    return min(section.infra_backoff_max_s, section.infra_backoff_s * 2 ** min(retries_so_far, 30))
+
+
+def decide_outcome(
+    group: Group | None,
+    traj: schemas.Trajectory,
+    max_attempts: int,
+    budget: InfraBudget | None = None,
+    now: float | None = None,
+) -> Outcome:
+    """What `traj` does to `group` (None: the group is closed already). Without a budget every
+    failure is charged to `max_attempts`."""
     index = traj.index
     if group is None or not 0 <= index < group.size:
         return Outcome.DUPLICATE
@@ -48,7 +89,10 @@ def decide_outcome(group: Group | None, traj: schemas.Trajectory, max_attempts: 
         return Outcome.DUPLICATE  # counted once already (or by its successor)
     if traj.status == "ok":
         return Outcome.RECORD_OK
-    return Outcome.RETRY if traj.attempt + 1 < max_attempts else Outcome.GIVE_UP
+    if traj.infra and budget is not None and budget.allows(group, time.time() if now is None else now):
+        return Outcome.RETRY_INFRA
+    charged = traj.attempt + 1 - group.infra_retries(index)  # tries the agent itself used up
+    return Outcome.RETRY if charged < max_attempts else Outcome.GIVE_UP
 
 
 def holds(group: Group, hold_until_trained: bool) -> bool:
@@ -72,15 +116,24 @@ class Outcomes:
         self.dispatcher, self.log = dispatcher, log
 
     def record(
-        self, delivery: bus.Delivery, group: Group, outcome: Outcome, cursor: Cursor, version: int
+        self,
+        delivery: bus.Delivery,
+        group: Group,
+        outcome: Outcome,
+        cursor: Cursor,
+        version: int,
+        also: Callable[[redis.client.Pipeline, Group], None] | None = None,
     ) -> bool:
-        """One MULTI/EXEC for a non-duplicate outcome; True when the group leaves the open set."""
+        """One MULTI/EXEC for a non-duplicate outcome; True when the group leaves the open set.
+        `also` adds the owner's writes that must land with it (a validation round's close)."""
         traj: schemas.Trajectory = delivery.message
         pipe = self.r.pipeline(transaction=True)
         if outcome is Outcome.RECORD_OK:
             self._ok(pipe, group, traj)
         elif outcome is Outcome.RETRY:
             self._retry(pipe, group, traj, version)
+        elif outcome is Outcome.RETRY_INFRA:
+            self._retry_infra(pipe, group, traj, version)
         else:
             self._give_up(pipe, group, traj, delivery.entry_id)
         hold = holds(group, self.section.hold_until_trained)
@@ -89,6 +142,8 @@ class Outcomes:
             self._settle(pipe, group, cursor)
         if hold or not group.complete:
             pipe.hset(self.keys.groups, group.group_id, group.to_json())
+        if also is not None:
+            also(pipe, group)
         pipe.xack(self.keys.trajectories, GROUP_SCHEDULER, delivery.entry_id)
         pipe.execute()
         return group.complete and not hold
@@ -104,12 +159,38 @@ class Outcomes:
         self.ledger.apply("retry", [traj.key], pipe=pipe)
         group.attempts[traj.index] = traj.attempt + 1
         self.dispatcher.queue(pipe, group, [traj.index], version)
+        if traj.infra:  # past the group's infrastructure budget: charged like the agent's own
+            pipe.hincrby(self.keys.infra, f"charged:{traj.infra}", 1)
         self.log.info(
             "attempt_retried",
             task_id=traj.task_id,
             attempt=traj.attempt + 1,
             status=traj.status,
             error=traj.error,
+            infra=traj.infra,
+        )
+
+    def _retry_infra(
+        self, pipe: redis.client.Pipeline, group: Group, traj: schemas.Trajectory, version: int
+    ) -> None:
+        """No policy node answered: a new attempt after a backoff, not charged to max_attempts."""
+        if not group.infra:
+            group.infra = [0] * group.size
+        now = time.time()
+        delay = infra_backoff_s(self.section, group.infra[traj.index])
+        group.infra[traj.index] += 1
+        group.infra_since = group.infra_since or now
+        self.ledger.apply("retry", [traj.key], pipe=pipe)
+        group.attempts[traj.index] = traj.attempt + 1
+        self.dispatcher.queue(pipe, group, [traj.index], version, not_before=now + delay)
+        pipe.hincrby(self.keys.infra, f"retried:{traj.infra}", 1)
+        self.log.info(
+            "attempt_retried_infra",
+            task_id=traj.task_id,
+            attempt=traj.attempt + 1,
+            reason=traj.infra,
+            backoff_s=round(delay, 3),
+            group_infra_retries=sum(group.infra),
         )
 
     def _give_up(
@@ -117,6 +198,8 @@ class Outcomes:
     ) -> None:
         group.done[traj.index] = True
         self.ledger.apply("give_up", [traj.key], pipe=pipe)
+        if traj.infra:
+            pipe.hincrby(self.keys.infra, f"given_up:{traj.infra}", 1)
         attempts = self.section.max_attempts
         reason = f"{traj.task_id}: {traj.status} in all {attempts} attempts; last error: {traj.error}"
         bus.dead_letter(

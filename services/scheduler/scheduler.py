@@ -60,7 +60,7 @@ import redis
 
 from squall.monitor.rollouts import RolloutKeeper
 from squall.monitor.stalls import StallCollector, StallWatch, Thresholds
-from squall.shared import bus, dataend, schemas
+from squall.shared import bus, dataend, durability, schemas
 from squall.shared.config import RunConfig
 from squall.shared.heartbeat import HeartbeatWriter
 from squall.shared.keys import GROUP_RUNNERS, GROUP_SCHEDULER, Keys
@@ -76,7 +76,7 @@ from .dispatch import Dispatcher, new_group
 from .ending import Ending
 from .groups import Group
 from .leader import Leadership
-from .outcomes import FAILED_STATUSES, Outcome, Outcomes, decide_outcome
+from .outcomes import FAILED_STATUSES, InfraBudget, Outcome, Outcomes, decide_outcome
 from .trimming import Trimmer
 
 __all__ = ["FAILED_STATUSES", "Cursor", "Group", "Scheduler"]
@@ -105,7 +105,15 @@ class Scheduler:
         self.leadership = Leadership(
             r, keys, self.heartbeat.field, section.standby_after_s, section.poll_s, self.log
         )
-        self.dispatcher = Dispatcher(r, keys, self.ledger, section)
+        run = config.run
+        self.dispatcher = Dispatcher(
+            r,
+            keys,
+            self.ledger,
+            section,
+            waitaof_ms=run.redis_waitaof_timeout_ms if run.redis_waitaof else 0,
+            log=self.log,
+        )
         self.outcomes = Outcomes(r, keys, self.ledger, section, self.dispatcher, self.log)
         self.validation = validation.Validation(r, keys, section, self.dispatcher, self.log)
         self.ending = Ending(r, keys, section, self.log)
@@ -118,10 +126,12 @@ class Scheduler:
         self.groups: dict[str, Group] = {}
         self._order: list[int] | None = None
         self.lost_lead = False  # step() saw a newer leader epoch
+        self.closed_round = False  # the outcome just recorded closed a validation round
         self.counts = {
             "dispatched_groups": 0,
             "outcomes": 0,
             "retries": 0,
+            "infra_retries": 0,
             "deadlettered": 0,
             "duplicates": 0,
         }
@@ -296,20 +306,31 @@ class Scheduler:
             self.lost_lead = True
             return
         group = self.groups.get(traj.group_id)
-        outcome = decide_outcome(group, traj, self.section.max_attempts)
+        outcome = decide_outcome(group, traj, self.section.max_attempts, InfraBudget.of(self.section))
         if group is None or outcome is Outcome.DUPLICATE:
             self.counts["duplicates"] += 1
             self.consumer.ack([delivery.entry_id])
             return
         self.counts["outcomes"] += 1
         self.keeper.keep(traj, group.payload, delivery.entry_id)
-        version = self.trainer_version() if outcome is Outcome.RETRY else group.version
-        if self.outcomes.record(delivery, group, outcome, self.cursor, version):
+        retried = outcome in (Outcome.RETRY, Outcome.RETRY_INFRA)
+        version = self.trainer_version() if retried else group.version
+        if self.outcomes.record(delivery, group, outcome, self.cursor, version, self._close_round):
             self.groups.pop(group.group_id, None)
         self.counts["retries"] += outcome is Outcome.RETRY
+        self.counts["infra_retries"] += outcome is Outcome.RETRY_INFRA
         self.counts["deadlettered"] += outcome is Outcome.GIVE_UP
-        if group.complete and group.mode == "val" and not validation.round_open(self.groups.values()):
-            self.validation.close(self.cursor)
+        if self.closed_round:
+            self.closed_round = False
+            self.validation.closed(self.cursor)
+
+    def _close_round(self, pipe: redis.client.Pipeline, group: Group) -> None:
+        """In the transaction of `group`'s last outcome: the round's reward point, when this was
+        its last open val group (a crash can no longer fall between the two)."""
+        others = (g for g in self.groups.values() if g.group_id != group.group_id)
+        if group.complete and group.mode == "val" and not validation.round_open(others):
+            self.validation.close(self.cursor, pipe)
+            self.closed_round = True
 
     def release_trained(self) -> int:
         """Drop held groups whose ok members the trainer has consumed (no attempt left in `ok`)."""
@@ -413,6 +434,7 @@ class Scheduler:
                 continue  # stopped while standing by, or another scheduler won the race
             if self.ride(lambda: bool(self.cursor.finished) and self.finished, "start"):
                 self.log.info("scheduler_already_finished", samples=self.cursor.samples)
+                self.ride(lambda: self.heartbeat.stop(open_groups=len(self.groups)), "stop")  # not GONE
                 return 0
             self.ride(self._start, "start")
             while not stopped() and self.ride(self.step, "step"):
@@ -428,6 +450,13 @@ class Scheduler:
 
     def _start(self) -> None:
         self.started = time.monotonic()
+        durability.check(
+            self.r,
+            self.config.run.redis_durability,
+            self.log,
+            service="scheduler",
+            want_waitaof=self.config.run.redis_waitaof,
+        )
         if not self.exhausted:  # data left (a resumed run, more epochs): no end is announced
             dataend.clear(self.r, self.keys)
         self.log.info(

@@ -105,20 +105,27 @@ class Validation:
         )
         return cursor, groups
 
-    def close(self, cursor: Cursor) -> None:
-        """The round's last group settled: its mean reward becomes a `val` RewardPoint."""
+    def close(self, cursor: Cursor, pipe: redis.client.Pipeline) -> None:
+        """The round's last group settled: its mean reward becomes a `val` RewardPoint, queued
+        on `pipe`, the transaction that records that group's last outcome (and the cursor's
+        val_sum/val_count), so the point exists exactly when the round is closed."""
         count = cursor.val_count
         mean = cursor.val_sum / count if count else float("nan")
-        version = cursor.last_val_version
         point = schemas.RewardPoint(
             run=self.keys.run,
-            version=version,
+            version=cursor.last_val_version,
             mode="val",
             mean=mean,
             count=count,
             group_id=f"round{cursor.val_round}",
         )
-        report.reward(self.r, self.keys, point)
+        report.reward(pipe, self.keys, point)
+
+    def closed(self, cursor: Cursor) -> None:
+        """After the closing transaction: the event and log line (informational, may be lost)."""
+        count = cursor.val_count
+        mean = cursor.val_sum / count if count else float("nan")
+        version = cursor.last_val_version
         report.event(
             self.r, self.keys, "val_reward", round=cursor.val_round, version=version, mean=mean, count=count
         )

@@ -64,6 +64,7 @@ class TrainerState:
     commit: int = 0  # checkpoints written so far
     step: int = 0  # optimizer steps taken
     version: int = 0  # newest weight version produced (0 = the initial model)
+    version_step: int = 0  # the step `version` was produced at (-1: unknown, an older checkpoint)
     trained: dict[str, int] = field(default_factory=dict)  # trajectory key -> step it trained in
     consumed: dict[str, str] = field(default_factory=dict)  # key -> filtered reason or 'late'
     done_groups: list[str] = field(default_factory=list)
@@ -81,7 +82,13 @@ class TrainerState:
         return DoneDelta(dict(self.trained), dict(self.consumed), list(self.done_groups))
 
     def meta(self, delta: DoneDelta) -> dict[str, Any]:
-        return {"commit": self.commit, "step": self.step, "version": self.version, **delta.to_json()}
+        return {
+            "commit": self.commit,
+            "step": self.step,
+            "version": self.version,
+            "version_step": self.version_step,
+            **delta.to_json(),
+        }
 
 
 def fsync_dir(path: Path) -> None:
@@ -211,7 +218,12 @@ class CheckpointStore:
             try:
                 meta = json.loads((path / "meta.json").read_text())
                 commit, delta = int(meta["commit"]), DoneDelta.from_json(meta)
-                state = TrainerState(commit=commit, step=int(meta["step"]), version=int(meta["version"]))
+                state = TrainerState(
+                    commit=commit,
+                    step=int(meta["step"]),
+                    version=int(meta["version"]),
+                    version_step=int(meta.get("version_step", -1)),
+                )
             except (OSError, ValueError, KeyError):
                 continue
             written = int(meta.get("world_size", 1))  # older checkpoints: one process

@@ -43,7 +43,7 @@ import orjson
 from prometheus_client import REGISTRY
 
 from squall.monitor.metrics import standard_metrics
-from squall.shared import bus, dataend, schemas
+from squall.shared import bus, dataend, durability, schemas
 from squall.shared.config import RunConfig
 from squall.shared.heartbeat import HeartbeatWriter
 from squall.shared.keys import EVENTS_MAXLEN, GROUP_TRAINER, METRICS_MAXLEN, Keys
@@ -125,6 +125,13 @@ class Trainer:
             self.log,
             on_outage=self.metrics.errors.labels(kind="redis_outage").inc,
         )
+        durability.check(
+            self.r,
+            config.run.redis_durability,
+            self.log,
+            service="trainer",
+            want_waitaof=config.run.redis_waitaof,
+        )
         self._observe_state()
         self._reconcile_trained_log()
         self.log.info(
@@ -166,6 +173,7 @@ class Trainer:
         get their ledger moves again and are acked)."""
         self.books.reset()
         bus.ensure_group(self.r, self.keys.trajectories, GROUP_TRAINER)
+        self._detect_lost_writes()
         self._ensure_published()
         if announce:
             self._event("started", step=self.state.step, version=self.state.version)
@@ -206,11 +214,9 @@ class Trainer:
             last = take == len(self.books.ready)  # before take_ready shortens the list
             self._step(self.books.take_ready(take), last=last)
         self._flush()
-        newest = self.r.xrevrange(self.keys.weights, count=1)
-        published_step = (
-            schemas.decode(newest[0][1][schemas.ENTRY_FIELD], schemas.WeightVersion).step if newest else -1
-        )
-        if published_step < self.state.step:  # steps since the last publication (publish_every > 1)
+        # The checkpoint says which step the newest version holds (the `weights` stream is not
+        # read back: a malformed entry there must not stop the end of the data).
+        if self.state.version_step < self.state.step:  # steps since the last publication (publish_every > 1)
             self._commit(bump=True)
             self.publisher.publish(self.state.version, self.state.step, self.backend.weights())
         dataend.announce_trained(self.r, self.keys, self.state.version, self.state.step)
@@ -372,6 +378,7 @@ class Trainer:
         Returns the commit's counts (filtered:<reason>, late, groups_timed_out) for metrics."""
         if bump:
             self.state.version += 1
+            self.state.version_step = self.state.step
         self.state.commit += 1
         sealed = self.books.seal(self.state.step)
         self.store.save(self.state, self.backend.save_state, sealed.done)
@@ -388,7 +395,30 @@ class Trainer:
             self.ledger.apply(name, keys, reason=reason, pipe=pipe)
         if entry_ids:
             pipe.xack(self.keys.trajectories, GROUP_TRAINER, *entry_ids)
+        pipe.hset(self.keys.durable, "trainer_commit", self.state.commit)
         pipe.execute()
+        if self.config.run.redis_waitaof:  # the acks may not be lost to a host crash once we go on
+            durability.waitaof(self.r, self.config.run.redis_waitaof_timeout_ms, self.log, "trainer_settle")
+
+    def _detect_lost_writes(self) -> None:
+        """Redis older than our checkpoint (an AOF tail lost to a host crash): said loudly, and
+        healed by what follows, since every entry read again is settled from the done set and
+        never trained twice; trajectories Redis lost entirely are attempts it will run again."""
+        raw = self.r.hget(self.keys.durable, "trainer_commit")
+        seen = durability.LostWrites(int(raw) if raw is not None else 0, self.state.commit)
+        if not seen.lost:
+            return
+        self.metrics.errors.labels(kind="redis_lost_writes").inc()
+        self._event(
+            "redis_lost_writes", redis_commit=seen.redis_commit, checkpoint_commit=seen.checkpoint_commit
+        )
+        self.log.error(
+            "redis_lost_writes",
+            redis_commit=seen.redis_commit,
+            checkpoint_commit=seen.checkpoint_commit,
+            advice="Redis came back without writes it had accepted: check appendfsync and the host; "
+            "see docs/operating.md, Durability",
+        )
 
     # --- outputs ---------------------------------------------------------------
     def _ensure_published(self) -> None:

@@ -35,9 +35,9 @@ import structlog
 
 from squall.inference.engines.engine import Engine
 from squall.inference.node_metrics import InferenceMetrics
-from squall.shared import schemas
+from squall.shared import schemas, weightstream
 from squall.shared.adapterfiles import FORMAT_LORA, verify_adapter
-from squall.shared.errors import ConfigError, SchemaError, WeightsError
+from squall.shared.errors import ConfigError, WeightsError
 from squall.shared.heartbeat import HeartbeatWriter
 from squall.shared.keys import WEIGHTS_APPLIED_MAXLEN, Keys
 from squall.shared.retry import REDIS_ERRORS, RedisOutage
@@ -97,21 +97,27 @@ class WeightFollower:
         self.last_id = "0-0"  # the stream entry read last
         self.published: dict[int, schemas.WeightVersion] = {}  # snapshot nodes: version -> announcement
         self._stopping = False
+        self.acknowledged: int | None = None  # the version last written to `versions` by this process
 
     async def catch_up(self) -> None:
-        """Load the newest published version (a snapshot node: its version), if any; later
-        reads start after the last entry. A pin that cannot be served raises ConfigError."""
+        """Load the newest valid published version (a snapshot node: its version), if any; later
+        reads start after the last entry. Malformed entries on the way back are skipped and
+        counted. Whatever was loaded (or not), `versions` then says what the engine serves,
+        so a restarted node never inherits the version its predecessor acknowledged. A pin
+        that cannot be served raises ConfigError."""
         if self.snapshot.following:
-            newest = await self.r.xrevrange(self.keys.weights, count=1)
-            if newest:
-                entry_id, fields = newest[0]
-                self.last_id = _text(entry_id)
-                message = self._decode(self.last_id, fields)
-                if message is not None:
-                    await self.apply(message)
+            found = await weightstream.newest_valid_async(self.r, self.keys.weights, f"inference:{self.node}")
+            if found.skipped:
+                self.metrics.weight_errors.labels("message").inc(found.skipped)
+            if found.last_id is not None:
+                self.last_id = found.last_id
+            if found.version is not None:
+                await self.apply(found.version)
         else:
             self._remember(await self.r.xrange(self.keys.weights))
             await self._serve_snapshot(at_start=True)
+        if self.acknowledged is None:  # nothing loaded: the model the node started with
+            await self._acknowledge(load_s=0.0)
         await self.heartbeat()
 
     def _remember(self, entries: list) -> schemas.WeightVersion | None:
@@ -142,13 +148,7 @@ class WeightFollower:
                 )
             return
         if target is None:
-            if at_start:  # the initial model (version 0) is what a snapshot serves before any version
-                await self._acknowledge(
-                    schemas.WeightApplied(
-                        run=self.keys.run, node=self.node, version=self.engine.weight_version, load_s=0.0
-                    )
-                )
-            return
+            return  # the initial model (version 0): catch_up acknowledges what the engine serves
         if target == self.engine.weight_version and not at_start:
             return
         applied = await self.apply(self.published[target])
@@ -182,15 +182,10 @@ class WeightFollower:
         self._stopping = True
 
     def _decode(self, entry_id: str, fields: dict) -> schemas.WeightVersion | None:
-        try:
-            raw = fields.get(schemas.ENTRY_FIELD)
-            if raw is None:
-                raise SchemaError("entry has no 'm' field")
-            return schemas.decode(raw, schemas.WeightVersion)
-        except SchemaError as exc:
+        message = weightstream.decode(entry_id, fields, f"inference:{self.node}")
+        if message is None:
             self.metrics.weight_errors.labels("message").inc()
-            log.error("weights_message_invalid", entry=entry_id, error=str(exc))
-            return None
+        return message
 
     async def apply(self, message: schemas.WeightVersion) -> bool:
         """Verify and load one version; False (old version kept) when it cannot be used."""
@@ -201,9 +196,7 @@ class WeightFollower:
         if message.version == current:
             # Already serving it (e.g. version 0 is the model we started with): still say so,
             # or the trainer would keep old files forever and status would show no version.
-            await self._acknowledge(
-                schemas.WeightApplied(run=self.keys.run, node=self.node, version=current, load_s=0.0)
-            )
+            await self._acknowledge(load_s=0.0)
             return False
         start = time.monotonic()
         try:
@@ -218,12 +211,11 @@ class WeightFollower:
             log.error(
                 "weights_rejected", version=message.version, serving=current, reason=reason, error=str(exc)
             )
+            if self.acknowledged != self.engine.weight_version:  # still the old one: make sure it is said
+                await self._acknowledge(load_s=0.0)
             return False
         load_s = time.monotonic() - start
-        applied = schemas.WeightApplied(
-            run=self.keys.run, node=self.node, version=message.version, load_s=load_s
-        )
-        await self._acknowledge(applied)
+        await self._acknowledge(load_s=load_s)
         self.metrics.weight_reloads.inc()
         self.metrics.reload_seconds.observe(load_s)
         self.metrics.weight_version.set(message.version)
@@ -237,9 +229,14 @@ class WeightFollower:
         )
         return True
 
-    async def _acknowledge(self, applied: schemas.WeightApplied) -> None:
-        """XADD WeightApplied and set our versions field; repeated after an outage, since the
+    async def _acknowledge(self, *, load_s: float) -> None:
+        """XADD WeightApplied and set our versions field to the version the engine serves now
+        (the one value /health reports too): the only writer of this node's field, called on
+        start and after every load, successful or not. Repeated after an outage, since the
         stream entry that announced the version will not be read again."""
+        applied = schemas.WeightApplied(
+            run=self.keys.run, node=self.node, version=self.engine.weight_version, load_s=load_s
+        )
         while True:
             try:
                 pipe = self.r.pipeline(transaction=False)
@@ -252,6 +249,7 @@ class WeightFollower:
                 role = "snapshot" if self.snapshot.pinned else "inference"
                 pipe.hset(self.keys.versions, f"{role}:{self.node}", applied.version)
                 await pipe.execute()
+                self.acknowledged = applied.version
                 return
             except REDIS_ERRORS as exc:
                 if self._stopping:
@@ -295,5 +293,4 @@ class WeightFollower:
         )
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+_text = weightstream.entry_text
