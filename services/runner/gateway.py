@@ -35,13 +35,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import numpy as np
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
+from squall.runner.protocols import anthropic_messages, openai_responses
 from squall.shared.config import AGENT_NAME_RULE, RunnerSection, agent_name_problem
 from squall.shared.logs import get_logger
-from squall.shared.schemas import Turn, pack_logprobs, pack_tokens
+from squall.shared.schemas import Turn, pack_logprobs, pack_tokens, unpack_tokens
 
 RETRY_BACKOFF_S = 0.1  # first retry delay; doubles per retry
 RETRYABLE_STATUS = {429, 500, 502, 503, 504}
@@ -60,6 +62,10 @@ class Attempt:
     llm_s: float = 0.0  # seconds spent waiting for inference
     min_version: int = 0  # the task's min_version: nodes known to serve older weights come last
     seat_models: dict[str, str] = field(default_factory=dict)  # seat -> opponent model playing it
+    # Per-protocol memory of this attempt (Responses: response id -> the conversation it ends).
+    protocol_state: dict[str, Any] = field(default_factory=dict)
+    context_overflows: int = 0  # calls refused because prompt (+ max_tokens) exceeded the context
+    continuity_breaks: int = 0  # trained calls whose prompt did not extend the agent's last call
 
 
 def group_of(key: str) -> str:
@@ -118,6 +124,8 @@ class Gateway:
         )
         self.port = 0
         self.calls = 0
+        self.context_overflows = 0  # over all attempts, see Attempt.context_overflows
+        self.continuity_breaks = 0  # over all attempts, see Attempt.continuity_breaks
         self.app = self._build_app()
         self._server: Any = None
         self._serve_task: asyncio.Task | None = None
@@ -194,6 +202,12 @@ class Gateway:
             params = request.path_params
             return await self._forward(request, params["token"], params.get("agent", "main"), "completions")
 
+        async def messages(request: Request) -> Response:
+            return await anthropic_messages.handle(request, self._protocol_call(request))
+
+        async def responses(request: Request) -> Response:
+            return await openai_responses.handle(request, self._protocol_call(request))
+
         async def models(request: Request) -> Response:
             if request.path_params["token"] not in self.attempts:
                 return _error(
@@ -215,20 +229,38 @@ class Gateway:
             app.router.add_route(f"{prefix}/chat/completions", chat, methods=["POST"])
             app.router.add_route(f"{prefix}/completions", completions, methods=["POST"])
             app.router.add_route(f"{prefix}/models", models, methods=["GET"])
+            app.router.add_route(f"{prefix}/messages", messages, methods=["POST"])
+            app.router.add_route(f"{prefix}/responses", responses, methods=["POST"])
         app.router.add_route("/health", health, methods=["GET"])
         # Last: whatever matched no route above gets an error saying why, not a bare 404.
         app.router.add_route("/{rest:path}", unrouted, methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
         return app
 
     # --- one call --------------------------------------------------------------------------
-    async def _forward(self, request: Request, token: str, agent: str, route: str) -> Response:
+    def _protocol_call(self, request: Request) -> ProtocolCall:
+        """What a protocol handler (protocols/) needs: the attempt's memory and a chat forward."""
+        params = request.path_params
+        token, agent = params["token"], params.get("agent", "main")
+        attempt = self.attempts.get(token)
+
+        async def forward(body: dict) -> Response:
+            return await self._forward(request, token, agent, "chat/completions", body=body)
+
+        return ProtocolCall(forward, attempt.protocol_state if attempt else None)
+
+    async def _forward(
+        self, request: Request, token: str, agent: str, route: str, body: dict | None = None
+    ) -> Response:
+        """One call on `route`; `body` is the request already decoded (and translated from
+        another protocol), else the request's own JSON body."""
         attempt = self.attempts.get(token)
         if attempt is None:
             return _error(404, "this attempt is over (or never existed): its base URL is no longer served")
-        try:
-            body = orjson.loads(await request.body())
-        except orjson.JSONDecodeError as exc:
-            return _error(400, f"request body is not JSON: {exc}")
+        if body is None:
+            try:
+                body = orjson.loads(await request.body())
+            except orjson.JSONDecodeError as exc:
+                return _error(400, f"request body is not JSON: {exc}")
         if not isinstance(body, dict):
             return _error(400, "request body must be a JSON object")
         if agent != "main" and (problem := agent_name_problem(agent)):
@@ -260,7 +292,7 @@ class Gateway:
         latency = time.perf_counter() - started
         attempt.llm_s += latency
         if status != 200:
-            return Response(orjson.dumps(reply), status_code=status, media_type="application/json")
+            return self._refused(attempt, agent, status, reply)
         try:
             self._record(attempt, reply, agent, model, node, latency, trained_model=frozen_url is None)
         except (KeyError, TypeError, ValueError) as exc:
@@ -366,9 +398,65 @@ class Gateway:
                     latency_s=latency,
                 )
             )
+        self._check_continuity(attempt, agent)
         first = reply["choices"][0] if reply["choices"] else {}
         message = first.get("message")
         attempt.final_answer = message.get("content") if isinstance(message, dict) else first.get("text")
+
+    def _refused(self, attempt: Attempt, agent: str, status: int, reply: Any) -> Response:
+        """The server's error, passed on; a context overflow is counted and fails the attempt
+        with the server's message (whatever the agent does next, its conversation was cut short)."""
+        if _is_overflow(reply):
+            self._overflowed(attempt, agent, reply)
+        return Response(orjson.dumps(reply), status_code=status, media_type="application/json")
+
+    def _overflowed(self, attempt: Attempt, agent: str, reply: dict) -> None:
+        attempt.context_overflows += 1
+        self.context_overflows += 1
+        message = str(reply["error"].get("message"))
+        self.log.warning("context_overflow", attempt=attempt.key, agent=agent, error=message,
+                         overflows=attempt.context_overflows)  # fmt: skip
+        if attempt.error is None:
+            attempt.error = f"context overflow: a call of agent {agent!r} was refused: {message}"
+
+    def _check_continuity(self, attempt: Attempt, agent: str) -> None:
+        """Mark the last Turn `extends` (its prompt continues this agent's previous trained call
+        prompt + response token for token) or count and log the break: a client that rewrote or
+        re-rendered its history. The trainer then starts a new sample rather than merging."""
+        turn = attempt.turns[-1]
+        if not turn.trained:
+            return
+        previous = next(
+            (t for t in reversed(attempt.turns[:-1]) if t.trained and t.agent == turn.agent), None
+        )
+        if previous is None:
+            return
+        history = previous.prompt_ids + previous.response_ids  # packed int32: a bytes prefix test
+        turn.extends = turn.prompt_ids.startswith(history)
+        if turn.extends:
+            return
+        attempt.continuity_breaks += 1
+        self.continuity_breaks += 1
+        prompt, past = turn.prompt_tokens, unpack_tokens(history)
+        size = min(len(prompt), len(past))
+        differ = np.flatnonzero(prompt[:size] != past[:size])
+        self.log.warning("token_continuity_break", attempt=attempt.key, agent=agent,
+                         turn=len(attempt.turns) - 1, first_diff=int(differ[0]) if differ.size else size,
+                         history_tokens=len(past), prompt_tokens=len(prompt),
+                         breaks=attempt.continuity_breaks)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ProtocolCall:
+    """A protocol handler's view of one gateway call."""
+
+    forward: Any  # async (chat-completions body) -> Response, recorded like any chat call
+    state: dict[str, Any] | None  # the attempt's protocol memory; None when the attempt is over
+
+
+def _is_overflow(reply: Any) -> bool:
+    error = reply.get("error") if isinstance(reply, dict) else None
+    return isinstance(error, dict) and error.get("code") == "context_length_exceeded"
 
 
 def _logprobs_of(block: Any) -> list[float] | None:
@@ -393,7 +481,7 @@ def _strip(reply: dict, *, keep_logprobs: bool) -> None:
             choice["logprobs"] = None
 
 
-ROUTES = "/a/TOKEN/v1/{chat/completions,completions,models} and /a/TOKEN/agent/NAME/v1/..."
+ROUTES = "/a/TOKEN/v1/{chat/completions,completions,messages,responses,models} and /a/TOKEN/agent/NAME/v1/..."
 
 
 def _unrouted_message(request: Request) -> str:
