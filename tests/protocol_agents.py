@@ -21,6 +21,8 @@ RESPONSES_WEATHER = {
     "description": "Weather of a city",
     "parameters": WEATHER["input_schema"],
 }
+# Anthropic's current SDK no longer takes temperature as an argument; the API field still exists.
+GREEDY = {"temperature": 0}
 CHAT_WEATHER = {
     "type": "function",
     "function": {k: v for k, v in RESPONSES_WEATHER.items() if k != "type"},
@@ -223,6 +225,8 @@ async def bad_requests(task: dict, llm) -> float:
         for name, path, body in (
             ("messages_malformed", "messages", b'{"model": "m", "messages": ['),
             ("responses_malformed", "responses", b'{"model": "m", "input": '),
+            # The SDK checks max_tokens itself; a raw client (or another SDK) may leave it out.
+            ("no_max_tokens", "messages", b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'),
         ):
             reply = await http.post(
                 f"{base}/{path}", content=body, headers={"content-type": "application/json"}
@@ -230,7 +234,6 @@ async def bad_requests(task: dict, llm) -> float:
             got[name] = {"status": reply.status_code, "body": reply.json()}
     client = anthropic.AsyncAnthropic(base_url=anthropic_url(llm), api_key="dummy", max_retries=0)
     bad_messages = {
-        "no_max_tokens": {"messages": [{"role": "user", "content": "hi"}]},
         "unknown_block": {"messages": [{"role": "user", "content": [{"type": "hologram", "data": 1}]}], "max_tokens": 4},
         "unknown_tool_id": {"messages": [
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_nope", "content": "x"}]}],
@@ -285,3 +288,83 @@ async def overflow(task: dict, llm) -> float:
         got = {"status": exc.status_code, "body": exc.body}
     _save(task, [got])
     return 1.0  # the agent carries on; the gateway fails the attempt with the reason
+
+
+async def messages_calculator(task: dict, llm) -> float:
+    """The taught model's conversation by Messages: it calls `calculator` (a tool_use block), gets
+    the tool_result, answers; then the first call again, streamed."""
+    import anthropic
+    from inference_helpers import CALC_TOOL, TOOL_QUESTION
+
+    function = CALC_TOOL["function"]
+    tool = {
+        "name": function["name"],
+        "description": function["description"],
+        "input_schema": function["parameters"],
+    }
+    client = anthropic.AsyncAnthropic(base_url=anthropic_url(llm), api_key="dummy", max_retries=0)
+    first = await client.messages.create(
+        model=llm.model, messages=TOOL_QUESTION, tools=[tool], max_tokens=48, extra_body=GREEDY
+    )
+    uses = [b for b in first.content if b.type == "tool_use"]
+    history = [
+        *TOOL_QUESTION,
+        {"role": "assistant", "content": _blocks(first)},
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": u.id, "content": "84"} for u in uses],
+        },
+    ]
+    second = await client.messages.create(
+        model=llm.model, messages=history, tools=[tool], max_tokens=24, extra_body=GREEDY
+    )
+    async with client.messages.stream(
+        model=llm.model, messages=TOOL_QUESTION, tools=[tool], max_tokens=48, extra_body=GREEDY
+    ) as stream:
+        events = [event.type async for event in stream]
+        streamed = await stream.get_final_message()
+    calls = [
+        {"content": _blocks(m), "stop_reason": m.stop_reason, "usage": m.usage.model_dump()}
+        for m in (first, second, streamed)
+    ]
+    calls[2]["events"] = events
+    _save(task, calls)
+    return 1.0
+
+
+async def responses_calculator(task: dict, llm) -> float:
+    """The taught model's conversation by Responses: a function_call item, its output sent back
+    by previous_response_id, the answer; then the first call again, streamed."""
+    from inference_helpers import CALC_TOOL, TOOL_QUESTION
+    from openai import AsyncOpenAI
+
+    tool = {"type": "function", **CALC_TOOL["function"]}
+    client = AsyncOpenAI(base_url=llm.base_url, api_key="dummy", max_retries=0)
+    first = await client.responses.create(
+        model=llm.model, input=TOOL_QUESTION, tools=[tool], max_output_tokens=48, temperature=0
+    )
+    outputs = [
+        {"type": "function_call_output", "call_id": o.call_id, "output": "84"}
+        for o in first.output
+        if o.type == "function_call"
+    ]
+    second = await client.responses.create(
+        model=llm.model, previous_response_id=first.id, input=outputs, tools=[tool], max_output_tokens=24,
+        temperature=0,
+    )  # fmt: skip
+    stream = await client.responses.create(
+        model=llm.model, input=TOOL_QUESTION, tools=[tool], max_output_tokens=48, temperature=0, stream=True
+    )
+    events, final, arguments = [], None, []
+    async for event in stream:
+        events.append(event.type)
+        if event.type == "response.function_call_arguments.delta":
+            arguments.append(event.delta)
+        if event.type in ("response.completed", "response.incomplete"):
+            final = event.response
+    calls = [
+        {"output": [o.model_dump() for o in r.output], "text": r.output_text} for r in (first, second, final)
+    ]
+    calls[2].update(events=events, arguments="".join(arguments))
+    _save(task, calls)
+    return 1.0

@@ -206,3 +206,72 @@ def test_context_overflow_is_refused_counted_and_fails_the_attempt(
     assert traj.turns == []
     wait_for(lambda: Ledger(r, Keys(run_name)).state_of(traj.key) == "failed", 10, "the failed state")
     assert len(trajectories(r, run_name)) == 1
+
+
+@pytest.fixture(scope="module")
+def taught_inference(model_dir, tmp_path_factory):
+    """The tiny model taught one tool conversation (call `calculator`, then answer), served."""
+    from inference_helpers import teach_tool_use
+    from test_gateway_agents import start_inference
+
+    taught = teach_tool_use(model_dir, tmp_path_factory.mktemp("taught"))
+    proc, url = start_inference(str(taught), tmp_path_factory.mktemp("taught-inference"))
+    yield url
+    proc.terminate()
+    proc.wait(10)
+
+
+def check_calculator_turns(tokenizer, traj) -> None:
+    """Call, tool result, answer: turn 2 extends turn 1 token for token; turns 1 and 3 (the same
+    request) sample the same ids at temperature 0."""
+    from inference_helpers import TOOL_ANSWER, TOOL_ARGS
+
+    assert traj.status == "ok", traj.error
+    first, second, again = traj.turns
+    assert first.finish_reason == "tool_calls" and second.finish_reason == "stop"
+    call = decode(tokenizer, first.response_tokens)
+    assert (
+        call
+        == f'<tool_call>\n{{"name": "calculator", "arguments": {json.dumps(TOOL_ARGS)}}}\n</tool_call><|im_end|>'
+    )
+    assert decode(tokenizer, second.response_tokens) == f"{TOOL_ANSWER}<|im_end|>"
+    assert second.extends is True and "<tool_response>\n84\n</tool_response>" in decode(
+        tokenizer, second.prompt_tokens
+    )
+    assert again.response_tokens.tolist() == first.response_tokens.tolist()
+
+
+def test_messages_tool_use_round_trip_with_a_taught_model(
+    r, run_name, tmp_path, procs, taught_inference, tokenizer
+):
+    from inference_helpers import TOOL_ANSWER, TOOL_ARGS
+
+    traj, calls = run(r, run_name, tmp_path, procs, taught_inference, "messages_calculator")
+    check_calculator_turns(tokenizer, traj)
+    first, second, streamed = calls
+    assert first["stop_reason"] == "tool_use" and streamed["stop_reason"] == "tool_use"
+    for call in (first, streamed):
+        (use,) = [b for b in call["content"] if b["type"] == "tool_use"]
+        assert use["name"] == "calculator" and use["input"] == TOOL_ARGS
+    assert second["stop_reason"] == "end_turn" and second["content"] == [
+        {"type": "text", "text": TOOL_ANSWER}
+    ]
+    assert first["usage"]["output_tokens"] == len(traj.turns[0].response_tokens)
+    assert streamed["events"][0] == "message_start" and streamed["events"][-1] == "message_stop"
+    assert "input_json" in streamed["events"] or "content_block_delta" in streamed["events"]
+
+
+def test_responses_function_call_round_trip_with_a_taught_model(
+    r, run_name, tmp_path, procs, taught_inference, tokenizer
+):
+    from inference_helpers import TOOL_ANSWER, TOOL_ARGS
+
+    traj, calls = run(r, run_name, tmp_path, procs, taught_inference, "responses_calculator")
+    check_calculator_turns(tokenizer, traj)
+    first, second, streamed = calls
+    for call in (first, streamed):
+        (function_call,) = [o for o in call["output"] if o["type"] == "function_call"]
+        assert function_call["name"] == "calculator" and json.loads(function_call["arguments"]) == TOOL_ARGS
+    assert json.loads(streamed["arguments"]) == TOOL_ARGS
+    assert "response.function_call_arguments.done" in streamed["events"]
+    assert second["text"] == TOOL_ANSWER

@@ -214,9 +214,10 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
             kind = tool.get("type") if isinstance(tool, dict) else tool
             raise ProtocolError(400, f"tools.{i}: only client tools with an input_schema are served "
                                 f"(got type {kind!r}); server tools run at Anthropic, not here")  # fmt: skip
-        function = {"name": tool.get("name"), "parameters": tool["input_schema"]}
+        function = {"name": tool.get("name")}  # OpenAI's key order, which the template prints
         if tool.get("description") is not None:
             function["description"] = tool["description"]
+        function["parameters"] = tool["input_schema"]
         out.append({"type": "function", "function": function})
     return out
 

@@ -194,9 +194,10 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
             kind = tool.get("type") if isinstance(tool, dict) else tool
             raise ProtocolError(400, f"tools[{i}].type: only 'function' tools are served, got {kind!r} "
                                 "(hosted tools run at OpenAI, not here)", f"tools[{i}].type")  # fmt: skip
-        function = {"name": tool.get("name"), "parameters": tool.get("parameters") or {"type": "object"}}
+        function = {"name": tool.get("name")}  # OpenAI's key order, which the template prints
         if tool.get("description") is not None:
             function["description"] = tool["description"]
+        function["parameters"] = tool.get("parameters") or {"type": "object"}
         out.append({"type": "function", "function": function})
     return out
 
