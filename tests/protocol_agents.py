@@ -368,3 +368,17 @@ async def responses_calculator(task: dict, llm) -> float:
     calls[2].update(events=events, arguments="".join(arguments))
     _save(task, calls)
     return 1.0
+
+
+async def rewrites_history(task: dict, llm) -> float:
+    """Two Messages calls where the second sends back an edited first reply: the gateway must
+    see that its prompt no longer extends the first call's prompt + response."""
+    import anthropic
+
+    client = anthropic.AsyncAnthropic(base_url=anthropic_url(llm), api_key="dummy", max_retries=0)
+    history = [{"role": "user", "content": "Count to three."}]
+    first = await client.messages.create(model=llm.model, messages=history, max_tokens=8)
+    edited = "".join(b.text for b in first.content if b.type == "text") + " (edited)"
+    history += [{"role": "assistant", "content": edited}, {"role": "user", "content": "Again."}]
+    await client.messages.create(model=llm.model, messages=history, max_tokens=8)
+    return 1.0

@@ -10,10 +10,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from runner_helpers import trajectories
+from runner_helpers import log_of, trajectories
 from test_gateway_agents import inference, model_dir, procs, run_one, tokenizer  # noqa: F401 (fixtures)
 from waiting import wait_for
 
+from squall.shared.heartbeat import read_heartbeats
 from squall.shared.keys import Keys
 from squall.shared.ledger import Ledger
 
@@ -36,9 +37,10 @@ def reply_text(turn_text: str, finish: str) -> str:
     return turn_text.removesuffix("<|im_end|>") if finish == "stop" else turn_text
 
 
-def run(r, run_name, tmp_path, procs, inference, agent, **row):
+def run(r, run_name, tmp_path, procs, inference, agent, env=None, **row):
     record = tmp_path / "calls.json"
-    traj = run_one(r, run_name, procs, f"protocol_agents:{agent}", inference, {**row, "record": str(record)})
+    traj = run_one(r, run_name, procs, f"protocol_agents:{agent}", inference, {**row, "record": str(record)},
+                   **(env or {}))  # fmt: skip
     calls = json.loads(record.read_text())["calls"] if record.exists() else []
     return traj, calls
 
@@ -194,7 +196,8 @@ def test_context_overflow_is_refused_counted_and_fails_the_attempt(
     inference,
     protocol,
 ):
-    traj, calls = run(r, run_name, tmp_path, procs, inference, "overflow", protocol=protocol, words=3000)
+    env = {"SQUALL_RUNNER__HEARTBEAT_S": "0.2"}
+    traj, calls = run(r, run_name, tmp_path, procs, inference, "overflow", env, protocol=protocol, words=3000)
     (got,) = calls
     assert got["status"] == 400, got
     if protocol == "messages":
@@ -206,6 +209,14 @@ def test_context_overflow_is_refused_counted_and_fails_the_attempt(
     assert traj.turns == []
     wait_for(lambda: Ledger(r, Keys(run_name)).state_of(traj.key) == "failed", 10, "the failed state")
     assert len(trajectories(r, run_name)) == 1
+
+    def counted():
+        beats = [
+            beat for _, beat, _ in read_heartbeats(r, Keys(run_name)) if beat and beat.service == "runner"
+        ]
+        return bool(beats) and beats[0].stats.get("context_overflows") == 1
+
+    wait_for(counted, 10, "the runner's heartbeat counting the overflow")
 
 
 @pytest.fixture(scope="module")
@@ -275,3 +286,26 @@ def test_responses_function_call_round_trip_with_a_taught_model(
     assert json.loads(streamed["arguments"]) == TOOL_ARGS
     assert "response.function_call_arguments.done" in streamed["events"]
     assert second["text"] == TOOL_ANSWER
+
+
+def test_a_rewritten_history_is_counted_as_a_continuity_break(r, run_name, tmp_path, procs, inference):
+    traj, _ = run(r, run_name, tmp_path, procs, inference, "rewrites_history",
+                  env={"SQUALL_RUNNER__HEARTBEAT_S": "0.2"})  # fmt: skip
+    assert traj.status == "ok", traj.error
+    first, second = traj.turns
+    assert first.extends is None and second.extends is False
+    (runner,) = procs.procs
+    wait_for(lambda: "token_continuity_break" in log_of(runner), 10, "the continuity-break log line")
+    line = next(x for x in log_of(runner).splitlines() if "token_continuity_break" in x)
+    event = json.loads(line)
+    assert event["attempt"] == traj.key and event["breaks"] == 1 and event["turn"] == 1
+    assert event["first_diff"] < event["history_tokens"] <= event["prompt_tokens"]
+
+    def runner_beat():
+        beats = [
+            beat for _, beat, _ in read_heartbeats(r, Keys(run_name)) if beat and beat.service == "runner"
+        ]
+        return beats and beats[0].stats.get("continuity_breaks") == 1 and beats[0]
+
+    beat = wait_for(runner_beat, 10, "the runner's heartbeat counting the break")
+    assert beat.stats["context_overflows"] == 0

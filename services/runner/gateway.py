@@ -39,6 +39,7 @@ import numpy as np
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
+from prometheus_client import Counter
 
 from squall.runner.protocols import anthropic_messages, openai_responses
 from squall.shared.config import AGENT_NAME_RULE, RunnerSection, agent_name_problem
@@ -46,6 +47,14 @@ from squall.shared.logs import get_logger
 from squall.shared.schemas import Turn, pack_logprobs, pack_tokens, unpack_tokens
 
 RETRY_BACKOFF_S = 0.1  # first retry delay; doubles per retry
+CONTINUITY_BREAKS = Counter(
+    "squall_gateway_continuity_breaks",
+    "Trained calls whose prompt did not extend the same agent's previous prompt + response token for token",
+)
+CONTEXT_OVERFLOWS = Counter(
+    "squall_gateway_context_overflows",
+    "Calls refused because prompt + max_tokens exceeded the model's context",
+)
 RETRYABLE_STATUS = {429, 500, 502, 503, 504}
 
 
@@ -413,6 +422,7 @@ class Gateway:
     def _overflowed(self, attempt: Attempt, agent: str, reply: dict) -> None:
         attempt.context_overflows += 1
         self.context_overflows += 1
+        CONTEXT_OVERFLOWS.inc()
         message = str(reply["error"].get("message"))
         self.log.warning("context_overflow", attempt=attempt.key, agent=agent, error=message,
                          overflows=attempt.context_overflows)  # fmt: skip
@@ -437,6 +447,7 @@ class Gateway:
             return
         attempt.continuity_breaks += 1
         self.continuity_breaks += 1
+        CONTINUITY_BREAKS.inc()
         prompt, past = turn.prompt_tokens, unpack_tokens(history)
         size = min(len(prompt), len(past))
         differ = np.flatnonzero(prompt[:size] != past[:size])

@@ -284,6 +284,7 @@ class Runner:
         await asyncio.to_thread(
             self.heartbeat.beat, force=True, version=self.seen_version, metrics_port=self.metrics_port,
             slots=self.section.concurrency, busy=len(self.running), gateway_port=self.gateway.port, **self.counts,
+            continuity_breaks=self.gateway.continuity_breaks, context_overflows=self.gateway.context_overflows,
         )  # fmt: skip
 
     # --- one attempt ----------------------------------------------------------------------
