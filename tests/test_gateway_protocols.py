@@ -290,7 +290,7 @@ def test_responses_function_call_round_trip_with_a_taught_model(
 
 def test_a_rewritten_history_is_counted_as_a_continuity_break(r, run_name, tmp_path, procs, inference):
     traj, _ = run(r, run_name, tmp_path, procs, inference, "rewrites_history",
-                  env={"SQUALL_RUNNER__HEARTBEAT_S": "0.2"})  # fmt: skip
+                  env={"SQUALL_RUNNER__HEARTBEAT_S": "0.2", "SQUALL_RUN__LOG_LEVEL": "INFO"})  # fmt: skip
     assert traj.status == "ok", traj.error
     first, second = traj.turns
     assert first.extends is None and second.extends is False

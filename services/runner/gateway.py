@@ -451,7 +451,7 @@ class Gateway:
         prompt, past = turn.prompt_tokens, unpack_tokens(history)
         size = min(len(prompt), len(past))
         differ = np.flatnonzero(prompt[:size] != past[:size])
-        self.log.warning("token_continuity_break", attempt=attempt.key, agent=agent,
+        self.log.info("token_continuity_break", attempt=attempt.key, agent=agent,
                          turn=len(attempt.turns) - 1, first_diff=int(differ[0]) if differ.size else size,
                          history_tokens=len(past), prompt_tokens=len(prompt),
                          breaks=attempt.continuity_breaks)  # fmt: skip

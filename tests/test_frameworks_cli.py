@@ -1,0 +1,107 @@
+"""A real coding-agent CLI, unchanged: Claude Code (`claude`, npm) as a runner's command agent on
+a small repository task with a test-based reward, speaking Anthropic Messages to the gateway.
+
+The tiny policies solve nothing; what must hold is the plumbing. With a model whose context
+holds Claude Code's long prompt, its requests are served, recorded token-exact (one Turn per
+Messages call) and attributed, and the attempt ends with the test's reward. With a model whose
+context does not (the suite's 1024-position tiny model), every request is refused in Anthropic's
+error shape ("prompt is too long"), the overflow is counted and the attempt fails with the reason;
+either way the ledger balances and nothing hangs. Part of the `frameworks` suite: CI installs
+the CLI (`make cli`) and a missing `claude` fails there instead of skipping (tests/optional.py).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from framework_helpers import AGENTS_DIR, SUITE, agent_of, recorded_command, run_command_agent
+from optional import need
+from runner_helpers import Procs
+from test_gateway_agents import start_inference
+from waiting import wait_for
+
+from squall.shared.heartbeat import read_heartbeats
+from squall.shared.keys import Keys
+from squall.shared.ledger import Ledger
+
+pytestmark = [pytest.mark.redis, pytest.mark.slow, pytest.mark.timeout(600)]
+
+TASK = {
+    "files": {
+        "calc.py": "def add(a, b):\n    return a - b\n",
+        "test_calc.py": "from calc import add\n\nassert add(2, 3) == 5\nprint('ok')\n",
+    },
+    "prompt": "Fix the bug in calc.py so that `python3 test_calc.py` passes.",
+    "test": "python3 test_calc.py",
+    "max_turns": 2,
+}
+
+
+@pytest.fixture(scope="module")
+def claude():
+    found = shutil.which("claude")
+    need(SUITE, found is not None and shutil.which("jq") is not None and shutil.which("git") is not None,
+         "claude, jq or git is missing: `make cli` installs Claude Code (npm, needs node >= 20)")  # fmt: skip
+    return found
+
+
+@pytest.fixture
+def procs(redis_url, run_name, tmp_path):
+    p = Procs(redis_url, run_name, tmp_path, SQUALL_RUNNER__GRACE_S="1", SQUALL_RUNNER__HEARTBEAT_S="0.5")
+    yield p
+    p.stop_all()
+
+
+def served(tmp_path_factory, positions: int):
+    from squall.inference.tiny import build_tiny_model
+
+    model = build_tiny_model(
+        tmp_path_factory.mktemp(f"tiny{positions}"), seed=0, max_position_embeddings=positions
+    )
+    return start_inference(str(model), tmp_path_factory.mktemp(f"inference{positions}"))
+
+
+@pytest.fixture(scope="module")
+def short_context(claude, tmp_path_factory):
+    proc, url = served(tmp_path_factory, 1024)
+    yield url
+    proc.terminate()
+    proc.wait(10)
+
+
+def messages_exchanges(record) -> list[dict]:
+    exchanges = json.loads(record.read_text())["exchanges"]
+    return [
+        e for e in exchanges if e["method"] == "POST" and e["path"].split("?")[0].endswith("/v1/messages")
+    ]
+
+
+def runner_stats(r, run_name) -> dict:
+    beats = [b for _, b, _ in read_heartbeats(r, Keys(run_name)) if b and b.service == "runner"]
+    return beats[0].stats if beats else {}
+
+
+def test_claude_code_over_the_context_is_refused_counted_and_fails_the_attempt(
+    claude, r, run_name, procs, short_context, tmp_path
+):
+    record = tmp_path / "record.json"
+    command = recorded_command(record, "bash", str(AGENTS_DIR / "claude_code_task.sh"))
+    traj = run_command_agent(r, run_name, procs, command, short_context, TASK, deadline_s=300)
+    calls = messages_exchanges(record)
+    assert calls, "Claude Code sent no Messages request"
+    for call in calls:
+        assert call["status"] == 400, call
+        body = json.loads(call["response"])
+        assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+        assert body["error"]["message"].startswith("messages: prompt is too long"), body
+        assert agent_of(call["path"]) == "main"
+    assert traj.status == "failed" and traj.turns == []
+    assert "context overflow" in traj.error and "context is 1024 tokens" in traj.error, traj.error
+    wait_for(
+        lambda: runner_stats(r, run_name).get("context_overflows") == len(calls), 10, "the overflow count"
+    )
+    ledger = Ledger(r, Keys(run_name))
+    wait_for(lambda: ledger.state_of(traj.key) == "failed", 10, "the failed ledger state")
+    assert ledger.balanced()
