@@ -89,7 +89,7 @@ CREWAI_PKGS ?= crewai==1.15.30
 LITELLM_VENV ?= .venv-litellm
 LITELLM_PKGS ?= litellm[mcp]==1.106.2
 
-.PHONY: frameworks test-frameworks
+.PHONY: frameworks test-frameworks cli
 frameworks: $(AGENTS_VENV)/.installed $(CREWAI_VENV)/.installed $(LITELLM_VENV)/.installed
 
 $(AGENTS_VENV)/.installed: Makefile
@@ -107,7 +107,15 @@ $(LITELLM_VENV)/.installed: Makefile
 	$(LITELLM_VENV)/bin/python -m pip install -q $(LITELLM_PKGS)
 	touch $@
 
-test-frameworks: setup frameworks
+# A real coding-agent CLI for tests/test_frameworks_cli.py: Claude Code from npm, installed globally
+# (it ships a native binary per platform; tested with node 20 and npm 11).
+CLAUDE_CODE_VERSION ?= 2.1.328
+cli:
+	@command -v npm >/dev/null 2>&1 || { echo "make cli: npm is missing; install node >= 20 with npm (apt-get install nodejs npm)" >&2; exit 1; }
+	@claude --version 2>/dev/null | grep -q "^$(CLAUDE_CODE_VERSION) " || npm install -g -q @anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION)
+	@claude --version
+
+test-frameworks: setup frameworks cli
 	SQUALL_REQUIRE_SUITES="$${SQUALL_REQUIRE_SUITES:+$$SQUALL_REQUIRE_SUITES,}frameworks" \
 	AGENTS_PYTHON=$(abspath $(AGENTS_VENV))/bin/python CREWAI_PYTHON=$(abspath $(CREWAI_VENV))/bin/python \
 	LITELLM_PYTHON=$(abspath $(LITELLM_VENV))/bin/python \

@@ -13,7 +13,9 @@ the CLI (`make cli`) and a missing `claude` fails there instead of skipping (tes
 from __future__ import annotations
 
 import json
+import os
 import shutil
+from unittest import mock
 
 import pytest
 from framework_helpers import AGENTS_DIR, SUITE, agent_of, recorded_command, run_command_agent
@@ -60,7 +62,10 @@ def served(tmp_path_factory, positions: int):
     model = build_tiny_model(
         tmp_path_factory.mktemp(f"tiny{positions}"), seed=0, max_position_embeddings=positions
     )
-    return start_inference(str(model), tmp_path_factory.mktemp(f"inference{positions}"))
+    with mock.patch.dict(os.environ, {"SQUALL_INFERENCE__MAX_MODEL_LEN": str(positions)}):
+        proc, url = start_inference(str(model), tmp_path_factory.mktemp(f"inference{positions}"))
+    proc.model_dir = str(model)  # type: ignore[attr-defined]
+    return proc, url
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +100,7 @@ def test_claude_code_over_the_context_is_refused_counted_and_fails_the_attempt(
         assert call["status"] == 400, call
         body = json.loads(call["response"])
         assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
-        assert body["error"]["message"].startswith("messages: prompt is too long"), body
+        assert "prompt is too long" in body["error"]["message"], body
         assert agent_of(call["path"]) == "main"
     assert traj.status == "failed" and traj.turns == []
     assert "context overflow" in traj.error and "context is 1024 tokens" in traj.error, traj.error
@@ -105,3 +110,49 @@ def test_claude_code_over_the_context_is_refused_counted_and_fails_the_attempt(
     ledger = Ledger(r, Keys(run_name))
     wait_for(lambda: ledger.state_of(traj.key) == "failed", 10, "the failed ledger state")
     assert ledger.balanced()
+
+
+# Claude Code's own flags narrow its prompt to what a small served context can hold: two tools
+# and a short system prompt (the default one with its 12 tools is some 34k tiny-model tokens).
+SMALL = {**TASK, "cli_args": ["--tools", "Read,Edit", "--system-prompt", "You fix bugs. Be brief."]}
+
+
+@pytest.fixture(scope="module")
+def long_context(claude, tmp_path_factory):
+    proc, url = served(tmp_path_factory, 8192)
+    yield url, proc.model_dir
+    proc.terminate()
+    proc.wait(10)
+
+
+def test_claude_code_episode_is_served_recorded_and_attributed(
+    claude, r, run_name, procs, long_context, tmp_path
+):
+    from transformers import AutoTokenizer
+
+    url, model_dir = long_context
+    record = tmp_path / "record.json"
+    command = recorded_command(record, "bash", str(AGENTS_DIR / "claude_code_task.sh"))
+    traj = run_command_agent(r, run_name, procs, command, url, SMALL, deadline_s=400)
+    calls = messages_exchanges(record)
+    assert traj.status == "ok" and traj.reward == 0.0, traj.error  # the tiny policy fixes nothing
+    served_calls = [c for c in calls if c["status"] == 200]
+    assert served_calls and len(served_calls) == len(traj.turns), [c["status"] for c in calls]
+    assert all(t.agent == "main" and t.trained and t.version == 0 for t in traj.turns)
+    # What Claude Code read from each stream is exactly the recorded ids' text.
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    for call, turn in zip(served_calls, traj.turns, strict=True):
+        assert call["request"]["stream"] is True and call["request"]["system"]
+        text = tokenizer.decode(turn.response_tokens.tolist(), skip_special_tokens=False)
+        assert streamed_text(call["response"]) == text.removesuffix("<|im_end|>")
+    ledger = Ledger(r, Keys(run_name))
+    wait_for(lambda: ledger.state_of(traj.key) == "ok", 10, "the ok ledger state")
+    assert ledger.balanced()
+
+
+def streamed_text(sse: str) -> str:
+    """The text deltas of an Anthropic event stream, after checking its event order."""
+    events = [json.loads(line[5:]) for line in sse.splitlines() if line.startswith("data:")]
+    kinds = [e["type"] for e in events]
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"], kinds
+    return "".join(e["delta"].get("text", "") for e in events if e["type"] == "content_block_delta")

@@ -1,7 +1,8 @@
 """Anthropic Messages (`POST .../v1/messages`) on the gateway.
 
 Request -> chat completions:
-- `system` (a string or text blocks) -> the first message, role system;
+- `system` (a string or text blocks) -> the first message, role system; a `system` turn inside
+  `messages` -> a system message there;
 - a user turn's `text` blocks -> one user message (texts joined); its `tool_result` blocks ->
   one `tool` message each (before the text, where Anthropic requires them), and each must
   answer a `tool_use` id of an earlier assistant turn;
@@ -134,8 +135,10 @@ def _turn(message: Any, where: str, tool_ids: set[str]) -> list[dict[str, Any]]:
     if not isinstance(message, dict):
         raise ProtocolError(400, f"{where}: must be an object with role and content")
     role, content = message.get("role"), message.get("content")
+    if role == "system":  # a system turn inside the conversation (Claude Code sends them)
+        return [{"role": "system", "content": text_of(content, f"{where}.content", ("text",))}]
     if role not in ("user", "assistant"):
-        raise ProtocolError(400, f"{where}.role: must be 'user' or 'assistant', got {role!r}")
+        raise ProtocolError(400, f"{where}.role: must be 'user', 'assistant' or 'system', got {role!r}")
     if isinstance(content, str):
         return [{"role": role, "content": content}]
     if not isinstance(content, list):
