@@ -11,6 +11,10 @@ agent, ``/a/{token}/agent/{name}/v1``), so every call is attributed to its rollo
    as the server sampled it — never re-tokenized;
 4. returns to the agent as an ordinary OpenAI response: squall's extra fields are removed
    (logprobs too, unless the agent asked for them).
+Anthropic Messages (`/v1/messages`) and OpenAI Responses (`/v1/responses`) calls are translated
+to one chat call by `protocols/` and take the same path. Each trained Turn says whether its
+prompt `extends` the agent's previous call token for token; breaks and context overflows are
+counted (an overflow fails the attempt).
 Upstream failures (connection errors, 5xx, 429) are retried with backoff, on another node
 when there is one; then the agent gets a 502 whose message says what failed (and, for a
 frozen model, which `frozen_models` endpoint is down).
