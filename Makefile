@@ -89,8 +89,20 @@ CREWAI_PKGS ?= crewai==1.15.30
 LITELLM_VENV ?= .venv-litellm
 LITELLM_PKGS ?= litellm[mcp]==1.106.2
 
+# Youtu-agent needs Python >= 3.12 (and pins openai-agents 0.3.3); 0.1.3 imports the OTLP exporter
+# without declaring it, hence the second package.
+YOUTU_VENV ?= .venv-youtu
+YOUTU_PKGS ?= youtu-agent==0.1.3 opentelemetry-exporter-otlp-proto-http
+YOUTU_BASE_PYTHON ?= $(firstword $(shell command -v python3.12 python3.13 2>/dev/null) $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python))
+
 .PHONY: frameworks test-frameworks cli
-frameworks: $(AGENTS_VENV)/.installed $(CREWAI_VENV)/.installed $(LITELLM_VENV)/.installed
+frameworks: $(AGENTS_VENV)/.installed $(CREWAI_VENV)/.installed $(LITELLM_VENV)/.installed $(YOUTU_VENV)/.installed
+
+$(YOUTU_VENV)/.installed: Makefile
+	@test -n "$(YOUTU_BASE_PYTHON)" || { echo "make frameworks: Youtu-agent needs Python >= 3.12: set YOUTU_BASE_PYTHON" >&2; exit 1; }
+	test -x $(YOUTU_VENV)/bin/python || $(YOUTU_BASE_PYTHON) -m venv $(YOUTU_VENV)
+	$(YOUTU_VENV)/bin/python -m pip install -q $(YOUTU_PKGS)
+	touch $@
 
 $(AGENTS_VENV)/.installed: Makefile
 	test -x $(AGENTS_VENV)/bin/python || $(PYTHON) -m venv $(AGENTS_VENV)
@@ -118,5 +130,5 @@ cli:
 test-frameworks: setup frameworks cli
 	SQUALL_REQUIRE_SUITES="$${SQUALL_REQUIRE_SUITES:+$$SQUALL_REQUIRE_SUITES,}frameworks" \
 	AGENTS_PYTHON=$(abspath $(AGENTS_VENV))/bin/python CREWAI_PYTHON=$(abspath $(CREWAI_VENV))/bin/python \
-	LITELLM_PYTHON=$(abspath $(LITELLM_VENV))/bin/python \
+	LITELLM_PYTHON=$(abspath $(LITELLM_VENV))/bin/python YOUTU_PYTHON=$(abspath $(YOUTU_VENV))/bin/python \
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_frameworks_*.py
