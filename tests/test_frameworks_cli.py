@@ -156,3 +156,39 @@ def streamed_text(sse: str) -> str:
     kinds = [e["type"] for e in events]
     assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"], kinds
     return "".join(e["delta"].get("text", "") for e in events if e["type"] == "content_block_delta")
+
+
+@pytest.fixture(scope="module")
+def codex():
+    found = shutil.which("codex")
+    need(SUITE, found is not None, "codex is missing: `make cli` installs the Codex CLI (npm)")
+    return found
+
+
+def responses_exchanges(record) -> list[dict]:
+    exchanges = json.loads(record.read_text())["exchanges"]
+    return [
+        e for e in exchanges if e["method"] == "POST" and e["path"].split("?")[0].endswith("/v1/responses")
+    ]
+
+
+def test_codex_over_the_context_is_refused_counted_and_fails_the_attempt(
+    codex, r, run_name, procs, short_context, tmp_path
+):
+    record = tmp_path / "record.json"
+    command = recorded_command(record, "bash", str(AGENTS_DIR / "codex_task.sh"))
+    traj = run_command_agent(r, run_name, procs, command, short_context, TASK, deadline_s=300)
+    calls = responses_exchanges(record)
+    assert calls, "Codex sent no Responses request"
+    for call in calls:
+        assert call["status"] == 400, call
+        error = json.loads(call["response"])["error"]
+        assert error["code"] == "context_length_exceeded" and error["type"] == "invalid_request_error", error
+    assert traj.status == "failed" and traj.turns == []
+    assert "context overflow" in traj.error and "context is 1024 tokens" in traj.error, traj.error
+    wait_for(
+        lambda: runner_stats(r, run_name).get("context_overflows") == len(calls), 10, "the overflow count"
+    )
+    ledger = Ledger(r, Keys(run_name))
+    wait_for(lambda: ledger.state_of(traj.key) == "failed", 10, "the failed ledger state")
+    assert ledger.balanced()

@@ -186,10 +186,18 @@ def test_responses_input_items_previous_response_and_stream():
         ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}, "input[0].call_id"),
         ({"input": "x", "previous_response_id": "resp_nope"}, "previous_response_id"),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
-        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"input": "x", "tools": ["web_search"]}, "tools[0]"),
     ],
 )
 def test_responses_refusals_name_the_field(body, param):
     with pytest.raises(ProtocolError) as caught:
         openai_responses.to_chat(body, {})
     assert caught.value.param == param and caught.value.message.startswith(param), caught.value.message
+
+
+def test_responses_namespace_tools_are_flattened_and_hosted_tools_left_out():
+    function = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+    tools = [{"type": "web_search", "external_web_access": False},
+             {"type": "namespace", "name": "ns", "tools": [function]}, {**function, "name": "g"}]  # fmt: skip
+    chat, _ = openai_responses.to_chat({"input": "x", "tools": tools}, {})
+    assert [t["function"]["name"] for t in chat["tools"]] == ["f", "g"]

@@ -183,17 +183,24 @@ def _function_call(item: dict[str, Any], where: str) -> dict[str, Any]:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def _tools(tools: Any) -> list[dict[str, Any]]:
+def _tools(tools: Any, where: str = "tools") -> list[dict[str, Any]]:
+    """Function tools as chat tools; a `namespace` tool's functions join them; hosted tools
+    (web_search, file_search, ...) run at OpenAI, so they are left out: nothing here could run
+    them, and a client such as the Codex CLI offers web_search by default."""
     if tools is None:
         return []
     if not isinstance(tools, list):
-        raise ProtocolError(400, "tools: must be a list of function tools", "tools")
+        raise ProtocolError(400, f"{where}: must be a list of function tools", where)
     out = []
     for i, tool in enumerate(tools):
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            kind = tool.get("type") if isinstance(tool, dict) else tool
-            raise ProtocolError(400, f"tools[{i}].type: only 'function' tools are served, got {kind!r} "
-                                "(hosted tools run at OpenAI, not here)", f"tools[{i}].type")  # fmt: skip
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind == "namespace":
+            out += _tools(tool.get("tools"), f"{where}[{i}].tools")
+            continue
+        if kind != "function":
+            if isinstance(kind, str):
+                continue  # a hosted tool
+            raise ProtocolError(400, f"{where}[{i}]: must be an object with a type", f"{where}[{i}]")
         function = {"name": tool.get("name")}  # OpenAI's key order, which the template prints
         if tool.get("description") is not None:
             function["description"] = tool["description"]
