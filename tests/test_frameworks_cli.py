@@ -22,7 +22,7 @@ from framework_helpers import AGENTS_DIR, SUITE, agent_of, recorded_command, run
 from optional import need
 from runner_helpers import Procs
 from test_gateway_agents import start_inference
-from waiting import wait_for
+from waiting import reap, wait_for
 
 from squall.shared.heartbeat import read_heartbeats
 from squall.shared.keys import Keys
@@ -72,8 +72,7 @@ def served(tmp_path_factory, positions: int):
 def short_context(claude, tmp_path_factory):
     proc, url = served(tmp_path_factory, 1024)
     yield url
-    proc.terminate()
-    proc.wait(10)
+    stop(proc)
 
 
 def messages_exchanges(record) -> list[dict]:
@@ -121,8 +120,7 @@ SMALL = {**TASK, "cli_args": ["--tools", "Read,Edit", "--system-prompt", "You fi
 def long_context(claude, tmp_path_factory):
     proc, url = served(tmp_path_factory, 8192)
     yield url, proc.model_dir
-    proc.terminate()
-    proc.wait(10)
+    stop(proc)
 
 
 def test_claude_code_episode_is_served_recorded_and_attributed(
@@ -192,3 +190,12 @@ def test_codex_over_the_context_is_refused_counted_and_fails_the_attempt(
     ledger = Ledger(r, Keys(run_name))
     wait_for(lambda: ledger.state_of(traj.key) == "failed", 10, "the failed ledger state")
     assert ledger.balanced()
+
+
+def stop(proc) -> None:
+    """SIGTERM, then a kill if the server is still up after 30 s (a loaded machine is slow)."""
+    proc.terminate()
+    try:
+        proc.wait(30)
+    finally:
+        reap(proc)

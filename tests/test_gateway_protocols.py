@@ -12,7 +12,7 @@ import json
 import pytest
 from runner_helpers import log_of, trajectories
 from test_gateway_agents import inference, model_dir, procs, run_one, tokenizer  # noqa: F401 (fixtures)
-from waiting import wait_for
+from waiting import reap, wait_for
 
 from squall.shared.heartbeat import read_heartbeats
 from squall.shared.keys import Keys
@@ -228,8 +228,7 @@ def taught_inference(model_dir, tmp_path_factory):
     taught = teach_tool_use(model_dir, tmp_path_factory.mktemp("taught"))
     proc, url = start_inference(str(taught), tmp_path_factory.mktemp("taught-inference"))
     yield url
-    proc.terminate()
-    proc.wait(10)
+    stop(proc)
 
 
 def check_calculator_turns(tokenizer, traj) -> None:
@@ -309,3 +308,12 @@ def test_a_rewritten_history_is_counted_as_a_continuity_break(r, run_name, tmp_p
 
     beat = wait_for(runner_beat, 10, "the runner's heartbeat counting the break")
     assert beat.stats["context_overflows"] == 0
+
+
+def stop(proc) -> None:
+    """SIGTERM, then a kill if the server is still up after 30 s (a loaded machine is slow)."""
+    proc.terminate()
+    try:
+        proc.wait(30)
+    finally:
+        reap(proc)
