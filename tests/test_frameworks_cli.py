@@ -12,9 +12,11 @@ the CLI (`make cli`) and a missing `claude` fails there instead of skipping (tes
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import subprocess
 from unittest import mock
 
 import pytest
@@ -195,7 +197,6 @@ def test_codex_over_the_context_is_refused_counted_and_fails_the_attempt(
 def stop(proc) -> None:
     """SIGTERM, then a kill if the server is still up after 30 s (a loaded machine is slow)."""
     proc.terminate()
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(30)
-    finally:
-        reap(proc)
+    reap(proc)

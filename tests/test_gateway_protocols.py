@@ -7,7 +7,9 @@ error shape naming the field, with the gateway still serving."""
 # ruff: noqa: F811  (the fixtures come from test_gateway_agents)
 from __future__ import annotations
 
+import contextlib
 import json
+import subprocess
 
 import pytest
 from runner_helpers import log_of, trajectories
@@ -313,7 +315,6 @@ def test_a_rewritten_history_is_counted_as_a_continuity_break(r, run_name, tmp_p
 def stop(proc) -> None:
     """SIGTERM, then a kill if the server is still up after 30 s (a loaded machine is slow)."""
     proc.terminate()
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(30)
-    finally:
-        reap(proc)
+    reap(proc)
