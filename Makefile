@@ -119,13 +119,16 @@ $(LITELLM_VENV)/.installed: Makefile
 	$(LITELLM_VENV)/bin/python -m pip install -q $(LITELLM_PKGS)
 	touch $@
 
-# A real coding-agent CLI for tests/test_frameworks_cli.py: Claude Code from npm, installed globally
+# Real coding-agent CLIs for tests/test_frameworks_cli.py: Claude Code from npm, installed globally
 # (it ships a native binary per platform; tested with node 20 and npm 11).
+# The Codex CLI (npm) too, for the Responses API.
 CLAUDE_CODE_VERSION ?= 2.1.328
+CODEX_VERSION ?= 0.169.0
 cli:
 	@command -v npm >/dev/null 2>&1 || { echo "make cli: npm is missing; install node >= 20 with npm (apt-get install nodejs npm)" >&2; exit 1; }
 	@claude --version 2>/dev/null | grep -q "^$(CLAUDE_CODE_VERSION) " || npm install -g -q @anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION)
-	@claude --version
+	@codex --version 2>/dev/null | grep -q " $(CODEX_VERSION)$$" || npm install -g -q @openai/codex@$(CODEX_VERSION)
+	@claude --version && codex --version
 
 test-frameworks: setup frameworks cli
 	SQUALL_REQUIRE_SUITES="$${SQUALL_REQUIRE_SUITES:+$$SQUALL_REQUIRE_SUITES,}frameworks" \
