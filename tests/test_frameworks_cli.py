@@ -71,7 +71,7 @@ def served(tmp_path_factory, positions: int):
 
 
 @pytest.fixture(scope="module")
-def short_context(claude, tmp_path_factory):
+def short_context(tmp_path_factory):
     proc, url = served(tmp_path_factory, 1024)
     yield url
     stop(proc)
@@ -119,7 +119,7 @@ SMALL = {**TASK, "cli_args": ["--tools", "Read,Edit", "--system-prompt", "You fi
 
 
 @pytest.fixture(scope="module")
-def long_context(claude, tmp_path_factory):
+def long_context(tmp_path_factory):
     proc, url = served(tmp_path_factory, 8192)
     yield url, proc.model_dir
     stop(proc)
