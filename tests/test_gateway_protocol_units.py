@@ -201,3 +201,24 @@ def test_responses_namespace_tools_are_flattened_and_hosted_tools_left_out():
              {"type": "namespace", "name": "ns", "tools": [function]}, {**function, "name": "g"}]  # fmt: skip
     chat, _ = openai_responses.to_chat({"input": "x", "tools": tools}, {})
     assert [t["function"]["name"] for t in chat["tools"]] == ["f", "g"]
+
+
+def test_continuity_marks_extends_and_finds_the_first_difference():
+    from squall.runner.continuity import mark_last
+    from squall.shared.schemas import Turn, pack_logprobs, pack_tokens
+
+    def turn(prompt, response, agent="main", trained=True):
+        return Turn(agent=agent, model="m", trained=trained, prompt_ids=pack_tokens(prompt),
+                    response_ids=pack_tokens(response), response_logprobs=pack_logprobs([-1.0] * len(response)),
+                    version=0)  # fmt: skip
+
+    turns = [turn([1, 2], [3, 4])]
+    assert mark_last(turns) is None and turns[0].extends is None  # first call: nothing to extend
+    turns.append(turn([9], [9], agent="other"))
+    assert mark_last(turns) is None and turns[1].extends is None  # another agent's first call
+    turns.append(turn([1, 2, 3, 4, 5], [6]))
+    assert mark_last(turns) is None and turns[2].extends is True
+    turns.append(turn([1, 2, 3, 4, 7, 6, 8], [1]))  # the previous reply re-rendered differently
+    assert mark_last(turns) == (4, 6) and turns[3].extends is False
+    turns.append(turn([0], [1], trained=False))
+    assert mark_last(turns) is None and turns[4].extends is None  # untrained calls are not marked

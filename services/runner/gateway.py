@@ -39,16 +39,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-import numpy as np
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import Counter
 
+from squall.runner import continuity
 from squall.runner.protocols import anthropic_messages, openai_responses
 from squall.shared.config import AGENT_NAME_RULE, RunnerSection, agent_name_problem
 from squall.shared.logs import get_logger
-from squall.shared.schemas import Turn, pack_logprobs, pack_tokens, unpack_tokens
+from squall.shared.schemas import Turn, pack_logprobs, pack_tokens
 
 RETRY_BACKOFF_S = 0.1  # first retry delay; doubles per retry
 CONTINUITY_BREAKS = Counter(
@@ -437,28 +437,15 @@ class Gateway:
         """Mark the last Turn `extends` (its prompt continues this agent's previous trained call
         prompt + response token for token) or count and log the break: a client that rewrote or
         re-rendered its history. The trainer then starts a new sample rather than merging."""
-        turn = attempt.turns[-1]
-        if not turn.trained:
-            return
-        previous = next(
-            (t for t in reversed(attempt.turns[:-1]) if t.trained and t.agent == turn.agent), None
-        )
-        if previous is None:
-            return
-        history = previous.prompt_ids + previous.response_ids  # packed int32: a bytes prefix test
-        turn.extends = turn.prompt_ids.startswith(history)
-        if turn.extends:
+        broken = continuity.mark_last(attempt.turns)
+        if broken is None:
             return
         attempt.continuity_breaks += 1
         self.continuity_breaks += 1
         CONTINUITY_BREAKS.inc()
-        prompt, past = turn.prompt_tokens, unpack_tokens(history)
-        size = min(len(prompt), len(past))
-        differ = np.flatnonzero(prompt[:size] != past[:size])
-        self.log.info("token_continuity_break", attempt=attempt.key, agent=agent,
-                         turn=len(attempt.turns) - 1, first_diff=int(differ[0]) if differ.size else size,
-                         history_tokens=len(past), prompt_tokens=len(prompt),
-                         breaks=attempt.continuity_breaks)  # fmt: skip
+        self.log.info("token_continuity_break", attempt=attempt.key, agent=agent, turn=len(attempt.turns) - 1,
+                      first_diff=broken[0], history_tokens=broken[1],
+                      prompt_tokens=len(attempt.turns[-1].prompt_ids) // 4, breaks=attempt.continuity_breaks)  # fmt: skip
 
 
 @dataclass(frozen=True)
