@@ -253,6 +253,7 @@ def check_calculator_turns(tokenizer, traj) -> None:
     assert again.response_tokens.tolist() == first.response_tokens.tolist()
 
 
+@pytest.mark.timeout(600)  # teaching the tiny model the tool takes minutes on a loaded CPU
 def test_messages_tool_use_round_trip_with_a_taught_model(
     r, run_name, tmp_path, procs, taught_inference, tokenizer
 ):
@@ -273,6 +274,7 @@ def test_messages_tool_use_round_trip_with_a_taught_model(
     assert "input_json" in streamed["events"] or "content_block_delta" in streamed["events"]
 
 
+@pytest.mark.timeout(600)  # teaching the tiny model the tool takes minutes on a loaded CPU
 def test_responses_function_call_round_trip_with_a_taught_model(
     r, run_name, tmp_path, procs, taught_inference, tokenizer
 ):
