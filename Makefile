@@ -113,8 +113,20 @@ CREWAI_PKGS ?= crewai==1.15.30
 LITELLM_VENV ?= .venv-litellm
 LITELLM_PKGS ?= litellm[mcp]==1.106.2
 
-.PHONY: frameworks test-frameworks
-frameworks: $(AGENTS_VENV)/.installed $(CREWAI_VENV)/.installed $(LITELLM_VENV)/.installed
+# Youtu-agent needs Python >= 3.12 (and pins openai-agents 0.3.3); 0.1.3 imports the OTLP exporter
+# without declaring it, hence the second package.
+YOUTU_VENV ?= .venv-youtu
+YOUTU_PKGS ?= youtu-agent==0.1.3 opentelemetry-exporter-otlp-proto-http
+YOUTU_BASE_PYTHON ?= $(firstword $(shell command -v python3.12 python3.13 2>/dev/null) $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python))
+
+.PHONY: frameworks test-frameworks cli
+frameworks: $(AGENTS_VENV)/.installed $(CREWAI_VENV)/.installed $(LITELLM_VENV)/.installed $(YOUTU_VENV)/.installed
+
+$(YOUTU_VENV)/.installed: Makefile
+	@test -n "$(YOUTU_BASE_PYTHON)" || { echo "make frameworks: Youtu-agent needs Python >= 3.12: set YOUTU_BASE_PYTHON" >&2; exit 1; }
+	test -x $(YOUTU_VENV)/bin/python || $(YOUTU_BASE_PYTHON) -m venv $(YOUTU_VENV)
+	$(YOUTU_VENV)/bin/python -m pip install -q $(YOUTU_PKGS)
+	touch $@
 
 $(AGENTS_VENV)/.installed: Makefile
 	test -x $(AGENTS_VENV)/bin/python || $(PYTHON) -m venv $(AGENTS_VENV)
@@ -131,8 +143,19 @@ $(LITELLM_VENV)/.installed: Makefile
 	$(LITELLM_VENV)/bin/python -m pip install -q $(LITELLM_PKGS)
 	touch $@
 
-test-frameworks: setup frameworks
+# Real coding-agent CLIs for tests/test_frameworks_cli.py: Claude Code from npm, installed globally
+# (it ships a native binary per platform; tested with node 20 and npm 11).
+# The Codex CLI (npm) too, for the Responses API.
+CLAUDE_CODE_VERSION ?= 2.1.328
+CODEX_VERSION ?= 0.169.0
+cli:
+	@command -v npm >/dev/null 2>&1 || { echo "make cli: npm is missing; install node >= 20 with npm (apt-get install nodejs npm)" >&2; exit 1; }
+	@claude --version 2>/dev/null | grep -q "^$(CLAUDE_CODE_VERSION) " || npm install -g -q @anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION)
+	@codex --version 2>/dev/null | grep -q " $(CODEX_VERSION)$$" || npm install -g -q @openai/codex@$(CODEX_VERSION)
+	@claude --version && codex --version
+
+test-frameworks: setup frameworks cli
 	SQUALL_REQUIRE_SUITES="$${SQUALL_REQUIRE_SUITES:+$$SQUALL_REQUIRE_SUITES,}frameworks" \
 	AGENTS_PYTHON=$(abspath $(AGENTS_VENV))/bin/python CREWAI_PYTHON=$(abspath $(CREWAI_VENV))/bin/python \
-	LITELLM_PYTHON=$(abspath $(LITELLM_VENV))/bin/python \
+	LITELLM_PYTHON=$(abspath $(LITELLM_VENV))/bin/python YOUTU_PYTHON=$(abspath $(YOUTU_VENV))/bin/python \
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_frameworks_*.py

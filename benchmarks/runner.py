@@ -3,10 +3,10 @@
     .venv/bin/python benchmarks/runner.py [--calls 300] [--tasks 2000] [--runners 1,2,4]
 
 1. Gateway overhead: one runner process whose agent (in the runner's own event loop, as a
-   real Python agent is) alternates the same chat request sent to the gateway and sent
-   straight to the inference node (tiny model, max_tokens=1), and reports p50/p90 of both and
-   of the paired difference. Same process, same run, same moment: the node's own noise
-   cancels in the pairing.
+   real Python agent is) alternates the same one-message request sent to the gateway as Chat
+   Completions, Anthropic Messages and OpenAI Responses, and straight to the inference node
+   (tiny model, max_tokens=1), and reports p50/p90/p99 of each and of the paired differences.
+   Same process, same run, same moment: the node's own noise cancels in the pairing.
 2. Throughput: K runner processes (concurrency 16 each) with a trivial agent (no LLM);
    N tasks are XADDed at once and we time until N trajectories are in the stream.
 Prints one JSON object; docs/runner.md keeps the numbers.
@@ -41,11 +41,15 @@ async def overhead_agent(task: dict, llm) -> float:
     # direct_ids: straight to the node but asking for ids and logprobs as the gateway does, so
     # gateway - direct_ids is the hop alone and direct_ids - direct the server's extra work.
     with_ids = {**body, "return_token_ids": True, "logprobs": True}
-    targets = [("gateway", gateway, body), ("direct", direct, body), ("direct_ids", direct, with_ids)]
+    messages = {"model": llm.model, "max_tokens": 1, "temperature": 0, "messages": body["messages"]}
+    responses = {"model": llm.model, "max_output_tokens": 1, "temperature": 0, "input": "hi"}
+    targets = [("gateway", gateway, body), ("direct", direct, body), ("direct_ids", direct, with_ids),
+               ("gateway_messages", f"{llm.base_url}/messages", messages),
+               ("gateway_responses", f"{llm.base_url}/responses", responses)]  # fmt: skip
     samples: dict[str, list[float]] = {name: [] for name, _, _ in targets}
     async with httpx.AsyncClient(timeout=30) as client:
         for i in range(task["calls"] + 20):
-            order = targets[i % 3 :] + targets[: i % 3]
+            order = targets[i % len(targets) :] + targets[: i % len(targets)]
             for name, url, payload in order:
                 start = time.perf_counter()
                 response = await client.post(url, json=payload)
@@ -178,10 +182,18 @@ def bench_overhead(redis_url: str, calls: int, tmp: Path) -> dict:
         result[f"{name}_ms"] = {
             "p50": round(_percentile(values, 0.5), 3),
             "p90": round(_percentile(values, 0.9), 3),
+            "p99": round(_percentile(values, 0.99), 3),
         }
     for base in ("direct", "direct_ids"):
         diffs = [g - d for g, d in zip(samples["gateway"], samples[base], strict=True)]
         result[f"added_ms_vs_{base}"] = {"p50_of_pairs": round(statistics.median(diffs), 3)}
+    # Per protocol: what the gateway adds over the node's own call with ids and logprobs.
+    for name in ("gateway", "gateway_messages", "gateway_responses"):
+        diffs = [g - d for g, d in zip(samples[name], samples["direct_ids"], strict=True)]
+        result[f"{name}_added_ms"] = {
+            "p50": round(statistics.median(diffs), 3),
+            "p99": round(_percentile(diffs, 0.99), 3),
+        }
     return result
 
 

@@ -114,6 +114,10 @@ class Turn(msgspec.Struct, kw_only=True):
     finish_reason: str = "stop"  # stop | length | tool_calls | error
     node: str = ""  # inference node that served it
     latency_s: float = 0.0  # wall time of the call as the gateway saw it
+    # True: the prompt extends this agent's previous trained call (prompt + response) token for
+    # token; False: it does not (the client rewrote or re-rendered its history; counted by the
+    # gateway as a continuity break); None: no previous trained call of this agent to compare.
+    extends: bool | None = None
 
     @property
     def prompt_tokens(self) -> np.ndarray:

@@ -50,6 +50,7 @@ VENVS = {
     "agents": ("AGENTS_PYTHON", ".venv-agents"),
     "crewai": ("CREWAI_PYTHON", ".venv-crewai"),
     "litellm": ("LITELLM_PYTHON", ".venv-litellm"),
+    "youtu": ("YOUTU_PYTHON", ".venv-youtu"),
 }
 
 

@@ -4,7 +4,7 @@
   thread; on its deadline the attempt is a timeout, but Python cannot stop the thread, so a
   sync agent that hangs keeps a worker thread until it returns — prefer async agents).
 - Command: a shell command; the task JSON on stdin, OPENAI_BASE_URL / OPENAI_API_KEY /
-  OPENAI_MODEL in its environment, the reward as the last line of stdout (empty: no reward).
+  OPENAI_MODEL (and ANTHROPIC_BASE_URL / ANTHROPIC_API_KEY, the same endpoint) in its environment, the reward as the last line of stdout (empty: no reward).
   It inherits the runner's environment except the `SQUALL_*` variables (Redis credentials,
   API keys). On its deadline its whole process group is killed.
 - The reward is the agent's return value, or one `llm.emit_reward(x)` call (not both); if
@@ -99,6 +99,9 @@ class CommandAgent:
             "OPENAI_API_KEY": llm.api_key,
             "OPENAI_MODEL": llm.model,
             **({"TRACEPARENT": llm.traceparent} if llm.traceparent else {}),
+            # Anthropic clients (Claude Code, the anthropic SDK) add /v1/messages themselves.
+            "ANTHROPIC_BASE_URL": llm.base_url.removesuffix("/v1"),
+            "ANTHROPIC_API_KEY": llm.api_key,
         }
         process = await asyncio.create_subprocess_shell(
             self.cmd,

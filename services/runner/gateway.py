@@ -11,6 +11,10 @@ agent, ``/a/{token}/agent/{name}/v1``), so every call is attributed to its rollo
    as the server sampled it — never re-tokenized;
 4. returns to the agent as an ordinary OpenAI response: squall's extra fields are removed
    (logprobs too, unless the agent asked for them).
+Anthropic Messages (`/v1/messages`) and OpenAI Responses (`/v1/responses`) calls are translated
+to one chat call by `protocols/` and take the same path. Each trained Turn says whether its
+prompt `extends` the agent's previous call token for token; breaks and context overflows are
+counted (an overflow fails the attempt).
 Upstream failures (connection errors, 5xx, 429) are retried with backoff, on another node
 when there is one; then the agent gets a 502 whose message says what failed (and, for a
 frozen model, which `frozen_models` endpoint is down).
@@ -46,12 +50,23 @@ import httpx
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
+from prometheus_client import Counter
 
+from squall.runner import continuity
+from squall.runner.protocols import anthropic_messages, openai_responses
 from squall.shared.config import AGENT_NAME_RULE, RunnerSection, agent_name_problem
 from squall.shared.logs import get_logger
 from squall.shared.schemas import Turn, pack_logprobs, pack_tokens
 
 RETRY_BACKOFF_S = 0.1  # first retry delay; doubles per retry
+CONTINUITY_BREAKS = Counter(
+    "squall_gateway_continuity_breaks",
+    "Trained calls whose prompt did not extend the same agent's previous prompt + response token for token",
+)
+CONTEXT_OVERFLOWS = Counter(
+    "squall_gateway_context_overflows",
+    "Calls refused because prompt + max_tokens exceeded the model's context",
+)
 RETRYABLE_STATUS = {429, 500, 502, 503, 504}
 
 
@@ -72,6 +87,10 @@ class Attempt:
     infra: str = ""  # a policy call failed for good, and why (schemas.INFRA_REASONS); "" if none did
     waiting: int = 0  # policy calls waiting on inference right now
     seat_models: dict[str, str] = field(default_factory=dict)  # seat -> opponent model playing it
+    # Per-protocol memory of this attempt (Responses: response id -> the conversation it ends).
+    protocol_state: dict[str, Any] = field(default_factory=dict)
+    context_overflows: int = 0  # calls refused because prompt (+ max_tokens) exceeded the context
+    continuity_breaks: int = 0  # trained calls whose prompt did not extend the agent's last call
 
 
 def group_of(key: str) -> str:
@@ -137,6 +156,8 @@ class Gateway:
         )
         self.port = 0
         self.calls = 0
+        self.context_overflows = 0  # over all attempts, see Attempt.context_overflows
+        self.continuity_breaks = 0  # over all attempts, see Attempt.continuity_breaks
         self.app = self._build_app()
         self._server: Any = None
         self._serve_task: asyncio.Task | None = None
@@ -216,6 +237,12 @@ class Gateway:
             params = request.path_params
             return await self._forward(request, params["token"], params.get("agent", "main"), "completions")
 
+        async def messages(request: Request) -> Response:
+            return await anthropic_messages.handle(request, self._protocol_call(request))
+
+        async def responses(request: Request) -> Response:
+            return await openai_responses.handle(request, self._protocol_call(request))
+
         async def models(request: Request) -> Response:
             if request.path_params["token"] not in self.attempts:
                 return _error(
@@ -237,20 +264,38 @@ class Gateway:
             app.router.add_route(f"{prefix}/chat/completions", chat, methods=["POST"])
             app.router.add_route(f"{prefix}/completions", completions, methods=["POST"])
             app.router.add_route(f"{prefix}/models", models, methods=["GET"])
+            app.router.add_route(f"{prefix}/messages", messages, methods=["POST"])
+            app.router.add_route(f"{prefix}/responses", responses, methods=["POST"])
         app.router.add_route("/health", health, methods=["GET"])
         # Last: whatever matched no route above gets an error saying why, not a bare 404.
         app.router.add_route("/{rest:path}", unrouted, methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
         return app
 
     # --- one call --------------------------------------------------------------------------
-    async def _forward(self, request: Request, token: str, agent: str, route: str) -> Response:
+    def _protocol_call(self, request: Request) -> ProtocolCall:
+        """What a protocol handler (protocols/) needs: the attempt's memory and a chat forward."""
+        params = request.path_params
+        token, agent = params["token"], params.get("agent", "main")
+        attempt = self.attempts.get(token)
+
+        async def forward(body: dict) -> Response:
+            return await self._forward(request, token, agent, "chat/completions", body=body)
+
+        return ProtocolCall(forward, attempt.protocol_state if attempt else None)
+
+    async def _forward(
+        self, request: Request, token: str, agent: str, route: str, body: dict | None = None
+    ) -> Response:
+        """One call on `route`; `body` is the request already decoded (and translated from
+        another protocol), else the request's own JSON body."""
         attempt = self.attempts.get(token)
         if attempt is None:
             return _error(404, "this attempt is over (or never existed): its base URL is no longer served")
-        try:
-            body = orjson.loads(await request.body())
-        except orjson.JSONDecodeError as exc:
-            return _error(400, f"request body is not JSON: {exc}")
+        if body is None:
+            try:
+                body = orjson.loads(await request.body())
+            except orjson.JSONDecodeError as exc:
+                return _error(400, f"request body is not JSON: {exc}")
         if not isinstance(body, dict):
             return _error(400, "request body must be a JSON object")
         if agent != "main" and (problem := agent_name_problem(agent)):
@@ -288,7 +333,7 @@ class Gateway:
         latency = time.perf_counter() - started
         attempt.llm_s += latency
         if status != 200:
-            return Response(orjson.dumps(reply), status_code=status, media_type="application/json")
+            return self._refused(attempt, agent, status, reply)
         try:
             self._record(attempt, reply, agent, model, node, latency, trained_model=frozen_url is None)
         except (KeyError, TypeError, ValueError) as exc:
@@ -432,9 +477,66 @@ class Gateway:
                     latency_s=latency,
                 )
             )
+        self._check_continuity(attempt, agent)
         first = reply["choices"][0] if reply["choices"] else {}
         message = first.get("message")
         attempt.final_answer = message.get("content") if isinstance(message, dict) else first.get("text")
+
+    def _refused(self, attempt: Attempt, agent: str, status: int, reply: Any) -> Response:
+        """The server's error, passed on; a context overflow is counted and fails the attempt
+        with the server's message (whatever the agent does next, its conversation was cut short)."""
+        if _is_overflow(reply):
+            self._overflowed(attempt, agent, reply)
+        return Response(orjson.dumps(reply), status_code=status, media_type="application/json")
+
+    def _overflowed(self, attempt: Attempt, agent: str, reply: dict) -> None:
+        attempt.context_overflows += 1
+        self.context_overflows += 1
+        CONTEXT_OVERFLOWS.inc()
+        message = str(reply["error"].get("message"))
+        self.log.warning(
+            "context_overflow",
+            attempt=attempt.key,
+            agent=agent,
+            error=message,
+            overflows=attempt.context_overflows,
+        )
+        if attempt.error is None:
+            attempt.error = f"context overflow: a call of agent {agent!r} was refused: {message}"
+
+    def _check_continuity(self, attempt: Attempt, agent: str) -> None:
+        """Mark the last Turn `extends` (its prompt continues this agent's previous trained call
+        prompt + response token for token) or count and log the break: a client that rewrote or
+        re-rendered its history. The trainer then starts a new sample rather than merging."""
+        broken = continuity.mark_last(attempt.turns)
+        if broken is None:
+            return
+        attempt.continuity_breaks += 1
+        self.continuity_breaks += 1
+        CONTINUITY_BREAKS.inc()
+        self.log.info(
+            "token_continuity_break",
+            attempt=attempt.key,
+            agent=agent,
+            turn=len(attempt.turns) - 1,
+            first_diff=broken[0],
+            history_tokens=broken[1],
+            prompt_tokens=len(attempt.turns[-1].prompt_ids) // 4,
+            breaks=attempt.continuity_breaks,
+        )
+
+
+@dataclass(frozen=True)
+class ProtocolCall:
+    """A protocol handler's view of one gateway call."""
+
+    forward: Any  # async (chat-completions body) -> Response, recorded like any chat call
+    state: dict[str, Any] | None  # the attempt's protocol memory; None when the attempt is over
+
+
+def _is_overflow(reply: Any) -> bool:
+    error = reply.get("error") if isinstance(reply, dict) else None
+    return isinstance(error, dict) and error.get("code") == "context_length_exceeded"
 
 
 def _logprobs_of(block: Any) -> list[float] | None:
@@ -459,7 +561,7 @@ def _strip(reply: dict, *, keep_logprobs: bool) -> None:
             choice["logprobs"] = None
 
 
-ROUTES = "/a/TOKEN/v1/{chat/completions,completions,models} and /a/TOKEN/agent/NAME/v1/..."
+ROUTES = "/a/TOKEN/v1/{chat/completions,completions,messages,responses,models} and /a/TOKEN/agent/NAME/v1/..."
 
 
 def _unrouted_message(request: Request) -> str:

@@ -316,6 +316,8 @@ class Runner:
             busy=len(self.running),
             gateway_port=self.gateway.port,
             **self.counts,
+            continuity_breaks=self.gateway.continuity_breaks,
+            context_overflows=self.gateway.context_overflows,
         )
 
     # --- one attempt ----------------------------------------------------------------------

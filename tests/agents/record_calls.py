@@ -77,6 +77,8 @@ async def main(out_path: str, command: list[str]) -> int:
         await asyncio.sleep(0.01)
     port = server.servers[0].sockets[0].getsockname()[1]
     env = {**os.environ, "OPENAI_BASE_URL": f"http://127.0.0.1:{port}{gateway.path}"}
+    if "ANTHROPIC_BASE_URL" in env:  # the same attempt for Anthropic clients, through the proxy too
+        env["ANTHROPIC_BASE_URL"] = f"http://127.0.0.1:{port}{gateway.path.removesuffix('/v1')}"
     task = sys.stdin.buffer.read()
     child = await asyncio.create_subprocess_exec(*command, stdin=asyncio.subprocess.PIPE, env=env)
     await child.communicate(task)
