@@ -291,21 +291,9 @@ class Gateway:
         attempt = self.attempts.get(token)
         if attempt is None:
             return _error(404, "this attempt is over (or never existed): its base URL is no longer served")
-        if body is None:
-            try:
-                body = orjson.loads(await request.body())
-            except orjson.JSONDecodeError as exc:
-                return _error(400, f"request body is not JSON: {exc}")
-        if not isinstance(body, dict):
-            return _error(400, "request body must be a JSON object")
-        if agent != "main" and (problem := agent_name_problem(agent)):
-            return _error(400, f"{problem}; build the URL with llm.agent_url(name)")
-        if self.section.seats and agent != "main" and agent not in self.section.seats:
-            return _error(
-                404,
-                f"agent {agent!r} is not one of runner.seats {self.section.seats}; "
-                "use one of those names in the agent URL, or add the seat",
-            )
+        body = await self._request_body(request, agent, body)
+        if isinstance(body, Response):
+            return body
         asked_model = str(body.get("model") or self.policy_model)
         model = attempt.seat_models.get(agent, asked_model)  # an opponent seat plays the opponent
         frozen_url = self.frozen.get(model)
@@ -345,6 +333,26 @@ class Gateway:
         if wants_stream:
             return StreamingResponse(_sse(reply, route, include_usage), media_type="text/event-stream")
         return Response(orjson.dumps(reply), media_type="application/json")
+
+    async def _request_body(self, request: Request, agent: str, body: dict | None) -> dict | Response:
+        """The call's JSON object (`body` when another protocol already decoded it), or the
+        error response that names what is wrong with the request or the agent URL."""
+        if body is None:
+            try:
+                body = orjson.loads(await request.body())
+            except orjson.JSONDecodeError as exc:
+                return _error(400, f"request body is not JSON: {exc}")
+        if not isinstance(body, dict):
+            return _error(400, "request body must be a JSON object")
+        if agent != "main" and (problem := agent_name_problem(agent)):
+            return _error(400, f"{problem}; build the URL with llm.agent_url(name)")
+        if self.section.seats and agent != "main" and agent not in self.section.seats:
+            return _error(
+                404,
+                f"agent {agent!r} is not one of runner.seats {self.section.seats}; "
+                "use one of those names in the agent URL, or add the seat",
+            )
+        return body
 
     async def _post(
         self, attempt: Attempt, route: str, body: dict, frozen_url: str | None, model: str
