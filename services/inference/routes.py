@@ -21,9 +21,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from . import render
 from .engine import Delta, SamplingParams
+from .prompt import NoChatTemplate
 from .protocol import ApiError, ChatRequest, CompletionRequest, parse
 from .state import ServerState
-from .tools import ToolError, forced_prefix, normalize_messages, resolve_tool_choice, validate_tools
+from .tools import ToolError, normalize_messages, resolve_tool_choice, validate_tools
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 
@@ -63,6 +64,7 @@ async def chat_completions(request: Request, state: ServerState) -> Response:
         meta={"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": req.model},
         node=state.node, prompt_ids=prompt_ids, token_texts=state.token_texts, logprobs=bool(req.logprobs),
         return_token_ids=req.return_token_ids, prefix=prefix, tool_choice=choice, reasoning=state.reasoning,
+        parser=state.chat_format.parser, on_parse_failure=state.metrics.tool_parse_failures.inc,
     )  # fmt: skip
     stream = state.engine.generate(prompt_ids, params, stream=req.stream)
     if req.stream:
@@ -136,15 +138,16 @@ def chat_prompt(state: ServerState, req: ChatRequest) -> tuple[list[int], str, s
         raise ApiError(400, str(exc), param="tools") from None
     messages = normalize_messages(req.messages)
     messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+    chat = state.chat_format
     try:
-        prompt = state.tokenizer.apply_chat_template(
-            messages, tools=tools if choice else None, add_generation_prompt=True, tokenize=False
-        )
+        prompt = chat.render(messages, tools if choice else None)
+    except NoChatTemplate as exc:
+        raise ApiError(400, str(exc), param="messages") from None
     except Exception as exc:  # a template error is the caller's message shape
         raise ApiError(
             400, f"messages cannot be rendered by the model's chat template: {exc}", param="messages"
         ) from None
-    prefix = forced_prefix(choice)
+    prefix = chat.parser.forced_prefix(choice)
     return state.tokenizer.encode(prompt + prefix, add_special_tokens=False), prefix, choice
 
 

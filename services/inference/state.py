@@ -9,6 +9,7 @@ from typing import Any
 from .detokenize import decoder_of
 from .engine import Engine
 from .metrics import InferenceMetrics
+from .prompt import ChatFormat
 from .protocol import ApiError
 from .render import TokenTexts
 
@@ -22,7 +23,10 @@ class ServerState:
     node: str  # this node's id, in every response body
     metrics: InferenceMetrics
     reasoning: bool = True  # split <think>...</think> into reasoning_content (inference.reasoning_parser)
+    tool_parser: str = "auto"  # the tool-call format (inference.tool_parser; auto: from the template)
+    chat_template: str = ""  # a Jinja file replacing the model's chat template (inference.chat_template)
     token_texts: TokenTexts = field(init=False)  # token id -> its text, for logprob entries
+    _chat_format: ChatFormat | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.token_texts = TokenTexts(decoder_of(self.engine.tokenizer))
@@ -30,6 +34,13 @@ class ServerState:
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    @property
+    def chat_format(self) -> ChatFormat:
+        """How chat prompts are rendered, built on first use (the engine loads the tokenizer at start)."""
+        if self._chat_format is None or self._chat_format.tokenizer is not self.tokenizer:
+            self._chat_format = ChatFormat(self.tokenizer, self.tool_parser, self.chat_template)
+        return self._chat_format
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
