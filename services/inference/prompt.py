@@ -31,13 +31,18 @@ from .toolparsers import get_parser, parser_for_template
 
 log = logging.getLogger("squall.inference.prompt")
 
+# Laid out as the tool-use system prompt SmolLM2-Instruct was tuned on (APIGen-style data: tools
+# in <tools>, calls as a JSON list in <tool_call>), with the example call built from the first
+# offered tool: a 135M model copies a placeholder example ("func_name1") word for word.
 FALLBACK_TOOLS_PROMPT = (
-    "You can call functions to answer. The functions you may call:\n"
+    "You are an expert in composing functions. You are given a question and a set of possible "
+    "functions. Based on the question, you will need to make one or more function/tool calls to "
+    "achieve the purpose.\n\n"
+    "You have access to the following tools:\n"
     "<tools>{tools}</tools>\n\n"
-    "To call functions, reply with only a JSON list of calls inside <tool_call></tool_call>, like\n"
-    '<tool_call>[{{"name": "function_name", "arguments": {{"argument": "value"}}}}]</tool_call>\n'
-    "A function's result comes back inside <tool_response></tool_response>. "
-    "When no call is needed, answer in plain text."
+    "To call tools, reply with a JSON list of calls inside <tool_call></tool_call>, for example:\n"
+    "{example}\n"
+    "A tool's result comes back inside <tool_response></tool_response>; then answer the question."
 )
 
 
@@ -108,12 +113,20 @@ class ChatFormat:
                 )  # fmt: skip
                 self._told = True
             listing = json.dumps([t.get("function", t) for t in tools])
-            text = FALLBACK_TOOLS_PROMPT.format(tools=listing)
+            text = FALLBACK_TOOLS_PROMPT.format(tools=listing, example=self.example_call(tools[0]))
             if out and out[0]["role"] == "system":
                 out[0] = {**out[0], "content": text + "\n\n" + _text(out[0].get("content"))}
             else:
                 out.insert(0, {"role": "system", "content": text})
         return out
+
+    def example_call(self, tool: dict[str, Any]) -> str:
+        """A call of `tool` in the parser's format, its required arguments as "..." placeholders."""
+        function = tool.get("function", tool)
+        params = function.get("parameters") or {}
+        names = params.get("required") or list(params.get("properties") or {})[:1]
+        call = {"function": {"name": function["name"], "arguments": {name: "..." for name in names}}}
+        return self.parser.render_calls([call])
 
     def _message(self, message: dict[str, Any]) -> dict[str, Any]:
         if self.native_calls:
