@@ -118,3 +118,9 @@ test-frameworks: setup frameworks
 	AGENTS_PYTHON=$(abspath $(AGENTS_VENV))/bin/python CREWAI_PYTHON=$(abspath $(CREWAI_VENV))/bin/python \
 	LITELLM_PYTHON=$(abspath $(LITELLM_VENV))/bin/python \
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_frameworks_*.py
+
+# The calculator agent on the real model (examples/calc_real): SmolLM2-135M-Instruct, 15 minutes.
+.PHONY: demo-real
+demo-real: real-model
+	$(PY) -m examples.calc_real.tasks --out runs/calc-real-data --train 2000 --val 32 --seed 0
+	$(PY) -m squall.cli up --config examples/calc_real/real.toml --minutes 15 $(DEMO_ARGS)
