@@ -8,7 +8,6 @@ import sys
 
 import numpy as np
 import pytest
-from realmodel import real_model  # noqa: F401  (session fixture)
 
 from squall.tools.model_import import ImportFailed, import_gguf
 
@@ -51,7 +50,7 @@ def test_existing_output_needs_force(tmp_path):
 
 
 @pytest.mark.realmodel
-def test_real_model_folder_is_an_ordinary_hf_folder(real_model):  # noqa: F811
+def test_real_model_folder_is_an_ordinary_hf_folder(real_model):
     from transformers import AutoConfig, AutoTokenizer
 
     config = AutoConfig.from_pretrained(real_model)

@@ -10,7 +10,6 @@ import httpx
 import pytest
 import torch
 from inference_helpers import CALC_TOOL, NodeThread, load_model, recompute_logprobs
-from realmodel import real_model  # noqa: F401  (session fixture)
 
 torch.set_num_threads(1)
 pytestmark = [pytest.mark.slow, pytest.mark.realmodel, pytest.mark.timeout(900)]
@@ -19,7 +18,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def node(real_model):  # noqa: F811
+def node(real_model):
     server = NodeThread(real_model, api_key="sk-test", max_model_len=CONTEXT, max_batch=8).start(
         timeout_s=300
     )
@@ -34,7 +33,7 @@ def chat(node, **body):
     return response
 
 
-def test_plain_chat_stops_on_im_end_and_ids_decode_to_the_text(node, real_model):  # noqa: F811
+def test_plain_chat_stops_on_im_end_and_ids_decode_to_the_text(node, real_model):
     tokenizer = node.node.engine.tokenizer
     body = chat(node, messages=QUESTION, max_tokens=32, logprobs=True).json()
     (choice,) = body["choices"]
