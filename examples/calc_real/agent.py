@@ -2,22 +2,27 @@
 
     async def agent(task, llm) -> float
 
-Designed for what a 135M model can do (docs/examples.md has the reasoning):
+Designed for what a 135M model can do (examples/calc_real/README.md has the reasoning):
 - no system prompt of our own: the server writes the tools into the system prompt in the form
-  the model was tuned on (the template has no tool support; docs/inference.md), so the prompt
+  the model was tuned on (its template has no tool support; docs/inference.md), so the prompt
   is the model's familiar one plus the question;
 - turn 1 asks for a calculator call (`tool_choice` names it: the server prefills
   `<tool_call>[{"name": "calculator`, and the model writes the arguments itself) and stops at
   `</tool_call>`, so the model does not run on into an invented result;
 - turn 2 gets the tool's result and answers freely (tools still offered, tool_choice auto);
-- reward: 1.0 when the last integer of the final answer is the product; 0.25 when only the
-  calculator call was right (its result is the product) — a graded signal for a model that
-  starts near 0, so GRPO groups have variance from the first step.
+- reward, graded for a model that starts near 0 (so GRPO groups have variance from the first
+  step): 1.0 when the last integer of the final answer is the product; 0.5 when only the
+  calculator call was right (its result is the product); 0.1 for a call that parsed at all
+  (at temperature 1 the untrained model writes broken JSON in about 3 calls of 4); else 0.
+- with CALC_REAL_LOG set, one JSON line per attempt is appended to that file (task id, the
+  weight version that served it, whether the call parsed, reward), for the tool-call rate per
+  version (`python -m examples.calc_real.report FILE`).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 from examples.calc.agent import CALCULATOR_TOOL, parse_answer, run_tool
@@ -26,7 +31,8 @@ TOOLS = [CALCULATOR_TOOL]
 FORCE_CALCULATOR = {"type": "function", "function": {"name": "calculator"}}
 CALL_TOKENS = 32  # `", "arguments": {"expression": "37 * 48"}}]` is ~15 tokens
 ANSWER_TOKENS = 32
-RIGHT_CALL_REWARD = 0.25
+RIGHT_CALL_REWARD = 0.5
+PARSED_CALL_REWARD = 0.1
 
 
 async def agent(task: dict, llm: Any) -> float:
@@ -34,27 +40,37 @@ async def agent(task: dict, llm: Any) -> float:
 
     client = AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key or "none", max_retries=0)
     messages: list[dict[str, Any]] = [{"role": "user", "content": task["question"]}]
+    final, results, called, version = None, [], False, None
     try:
         first = await client.chat.completions.create(
             model=llm.model, messages=messages, tools=TOOLS, tool_choice=FORCE_CALCULATOR,
             temperature=1.0, max_tokens=CALL_TOKENS, stop=["</tool_call>"],
         )  # fmt: skip
+        version = (first.model_extra or {}).get("weight_version")
         message = first.choices[0].message
-        if not message.tool_calls:
-            return 0.0  # the call did not parse: no tool result to answer from
-        messages.append(message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}))
-        results = []
-        for call in message.tool_calls:
-            results.append(run_tool(call.function.name, call.function.arguments))
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": results[-1]})
-        second = await client.chat.completions.create(
-            model=llm.model, messages=messages, tools=TOOLS, temperature=1.0, max_tokens=ANSWER_TOKENS
-        )
-        final = second.choices[0].message.content
+        called = bool(message.tool_calls)
+        if called:
+            messages.append(message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}))
+            for call in message.tool_calls or []:
+                results.append(run_tool(call.function.name, call.function.arguments))
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": results[-1]})
+            second = await client.chat.completions.create(
+                model=llm.model, messages=messages, tools=TOOLS, temperature=1.0, max_tokens=ANSWER_TOKENS
+            )
+            final = second.choices[0].message.content
     finally:
         await client.close()
+    reward = reward_of(task, called, results, final)
+    if os.environ.get("CALC_REAL_LOG"):
+        line = {"id": task["id"], "version": version, "called": called, "reward": reward}
+        with open(os.environ["CALC_REAL_LOG"], "a") as log:
+            log.write(json.dumps(line) + "\n")
+    return reward
+
+
+def reward_of(task: dict, called: bool, results: list[str], final: str | None) -> float:
+    if not called:
+        return 0.0
     if parse_answer(final) == int(task["answer"]):
         return 1.0
-    return RIGHT_CALL_REWARD if str(task["answer"]) in results else 0.0
-
-
+    return RIGHT_CALL_REWARD if str(task["answer"]) in results else PARSED_CALL_REWARD
