@@ -14,15 +14,16 @@ Designed for what a 135M model can do (examples/calc_real/README.md has the reas
   step): 1.0 when the last integer of the final answer is the product; 0.5 when only the
   calculator call was right (its result is the product); 0.1 for a call that parsed at all
   (at temperature 1 the untrained model writes broken JSON in about 3 calls of 4); else 0.
-- with CALC_REAL_LOG set, one JSON line per attempt is appended to that file (task id, the
-  weight version that served it, whether the call parsed, reward), for the tool-call rate per
-  version (`python -m examples.calc_real.report FILE`).
+- with CALC_REAL_LOG set, one JSON line per attempt is appended to that file (task id, end
+  time, whether the call parsed, reward), for the tool-call rate per weight version
+  (`python -m examples.calc_real.report RUN_DIR`, which dates versions from metrics.jsonl).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Any
 
 from examples.calc.agent import CALCULATOR_TOOL, parse_answer, run_tool
@@ -40,13 +41,12 @@ async def agent(task: dict, llm: Any) -> float:
 
     client = AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key or "none", max_retries=0)
     messages: list[dict[str, Any]] = [{"role": "user", "content": task["question"]}]
-    final, results, called, version = None, [], False, None
+    final, results, called = None, [], False
     try:
         first = await client.chat.completions.create(
             model=llm.model, messages=messages, tools=TOOLS, tool_choice=FORCE_CALCULATOR,
             temperature=1.0, max_tokens=CALL_TOKENS, stop=["</tool_call>"],
         )  # fmt: skip
-        version = (first.model_extra or {}).get("weight_version")
         message = first.choices[0].message
         called = bool(message.tool_calls)
         if called:
@@ -62,7 +62,7 @@ async def agent(task: dict, llm: Any) -> float:
         await client.close()
     reward = reward_of(task, called, results, final)
     if os.environ.get("CALC_REAL_LOG"):
-        line = {"id": task["id"], "version": version, "called": called, "reward": reward}
+        line = {"id": task["id"], "time": time.time(), "called": called, "reward": reward}
         with open(os.environ["CALC_REAL_LOG"], "a") as log:
             log.write(json.dumps(line) + "\n")
     return reward
