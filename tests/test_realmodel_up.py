@@ -1,7 +1,7 @@
 """A short `squall up` on the real model (SmolLM2-135M-Instruct) with the calc_real agent:
 the mechanics (attempts through the model's own tool calls, a trainer step on the real model,
 publication, a node serving the new version) and the ledger. The learning target lives in the
-example's run (docs/examples.md), not in this timed test."""
+example's run (examples/calc_real/README.md), not in this timed test."""
 
 from __future__ import annotations
 
