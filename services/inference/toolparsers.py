@@ -19,7 +19,7 @@ prompt.py). Known formats, `PARSERS`:
 
 A reply that *looks like* a call in the format (the tag is there, or it opens with `{`/`[`) but
 yields none stays content, and `parse` reports it as a failed attempt; the server counts those
-(`squall_inference_tool_parse_failures`). Arguments are re-serialised with `json.dumps`
+(`squall_inference_tool_parse_failures_total`). Arguments are re-serialised with `json.dumps`
 defaults, which is how templates render them back.
 """
 
