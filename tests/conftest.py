@@ -12,6 +12,7 @@ import uuid
 import pytest
 import redis
 from optional import pytest_terminal_summary  # noqa: F401  (the closing "optional suites" section)
+from realmodel import real_model  # noqa: F401  (the real pretrained model, built once: tests/realmodel.py)
 
 from squall.shared.localredis import LocalRedis
 

@@ -165,3 +165,15 @@ def test_init_then_up_runs_the_scaffold_as_it_is(tmp_path):
     consumed = ledger.get("trained", 0) + sum(v for k, v in ledger.items() if k.startswith("filtered"))
     assert consumed >= 4 * 8 and summary["steps"] >= 1, summary
     assert summary["val_curve"] and len(summary["train_curve"]) == 8, summary
+
+
+@pytest.mark.realmodel
+def test_init_with_a_real_model_picks_settings_from_it(tmp_path, real_model):
+    from squall.shared.config import load_config
+
+    run_file = init.scaffold(tmp_path / "run", model=str(real_model), train=4, val=2)
+    config = load_config(str(run_file), env={})
+    assert config.trainer.lr == 2e-6 and config.trainer.gradient_checkpointing
+    assert config.inference.max_model_len == 4096 == config.trainer.max_seq_len  # 8192 capped
+    assert config.scheduler.task_timeout_s == 600.0
+    assert init.model_settings(init.demo_policy()) == {}  # the tiny policy keeps the demo's settings

@@ -283,3 +283,13 @@ def test_up_trains_the_last_partial_step_and_validates_the_final_version(tmp_pat
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert cli.returncode == 0 and "open_groups=0" in cli.stdout and " alive " not in cli.stdout, cli.stdout
     assert f"trainer: last version v{last}" in cli.stdout, cli.stdout
+
+
+def test_a_time_limited_run_says_how_far_the_trainer_got():
+    summary = {"val_reward_end_version": 0, "trainer_last_version": None, "versions": {"trainer": 4}}
+    assert measured_word(summary) == (
+        "(version 0; the trainer had reached version 4, which no finished validation round measured)"
+    )
+    summary["val_reward_end_version"] = 4
+    assert measured_word(summary) == "(version 4, the trainer's newest when the run stopped)"
+    assert "did not report" in measured_word({"val_reward_end_version": 0, "trainer_last_version": None})

@@ -107,6 +107,8 @@ class InferenceNode:
                 api_key=section.api_key,
                 metrics=self.metrics,
                 reasoning_parser=section.reasoning_parser,
+                tool_parser=section.tool_parser,
+                chat_template=section.chat_template,
             )
             config = uvicorn.Config(
                 app,

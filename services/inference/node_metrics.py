@@ -55,6 +55,11 @@ class InferenceMetrics:
         self.errors = Counter(
             "squall_errors", "Caught-and-retried or dead-lettered errors, by kind", ["kind"], registry=r
         )
+        self.tool_parse_failures = Counter(
+            "squall_inference_tool_parse_failures",
+            "Chat replies whose tool-call-like text did not parse (it stayed content)",
+            registry=r,
+        )
         self.running = Gauge("squall_inference_running_sequences", "Sequences decoding now", registry=r)
         self.waiting = Gauge(
             "squall_inference_waiting_requests", "Requests waiting for a batch slot", registry=r

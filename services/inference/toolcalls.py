@@ -1,6 +1,9 @@
 """Tool calling: checking OpenAI tool schemas, forcing a call, parsing calls out of text.
 
-Format (Hermes/Qwen, the one the model's chat template renders; see docs/inference.md):
+Other model families' formats, and how the server picks one, are in toolparsers.py and
+prompt.py; the functions here speak the default one.
+
+Format (Hermes/Qwen, the one the tiny model's chat template renders; see docs/inference.md):
 tools are listed by the chat template in the system message as
 `<tools>\\n{one function schema per line}\\n</tools>`, and the model calls a tool by writing
 
@@ -25,10 +28,10 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from typing import Any
 
-TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+from .toolparsers import PARSERS
+
 FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
@@ -98,51 +101,15 @@ def resolve_tool_choice(tool_choice: Any, tools: list[dict[str, Any]] | None) ->
 
 
 def forced_prefix(choice: str | None) -> str:
-    """Assistant text prefilled so the model must call a tool (see the module docstring)."""
-    if choice in (None, "auto"):
-        return ""
-    if choice == "required":
-        return "<tool_call>\n"
-    # Cut right after the name: a Qwen/Llama-style pre-tokenizer splits there too, so the
-    # prompt's tokens are the ones the model would have written itself.
-    return '<tool_call>\n{"name": "' + choice
+    """Assistant text prefilled so the model must call a tool, in the Hermes format (the module
+    docstring); other formats prefill their own (toolparsers.py)."""
+    return PARSERS["hermes"].forced_prefix(choice)
 
 
 def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """Split model output into (content, OpenAI tool_calls); content is None when empty."""
-    calls: list[dict[str, Any]] = []
-    kept: list[str] = []
-    position = 0
-    for match in TOOL_CALL.finditer(text):
-        call = _parse_call(match.group(1))
-        if call is None:
-            continue
-        kept.append(text[position : match.start()])
-        position = match.end()
-        calls.append(call)
-    kept.append(text[position:])
-    content = "".join(kept).strip() if calls else text
-    return (content or None), calls
-
-
-def _parse_call(body: str) -> dict[str, Any] | None:
-    try:
-        data = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
-        return None
-    arguments = data.get("arguments", {})
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            return None
-    return {
-        "id": f"call_{uuid.uuid4().hex[:24]}",
-        "type": "function",
-        "function": {"name": data["name"], "arguments": json.dumps(arguments)},
-    }
+    """Split Hermes-format model output into (content, OpenAI tool_calls); content is None when empty."""
+    parsed = PARSERS["hermes"].parse(text)
+    return parsed.content, parsed.calls
 
 
 def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

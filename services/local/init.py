@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
+import math
 import re
 import sys
 import textwrap
@@ -185,6 +187,51 @@ def run_values(name: str, model_path: str) -> dict[str, dict[str, Any]]:
     }
 
 
+# A model is "real" (a pretrained chat model, not the demo's tiny policy) past this many parameters.
+REAL_MODEL_PARAMS = 20_000_000
+
+
+def model_settings(model_dir: Path) -> dict[str, dict[str, Any]]:
+    """Settings read from the model folder that replace the tiny-policy defaults of `run_values`
+    when the model is a real one: a small learning rate for full-weight RL on pretrained weights,
+    the context from the model (capped at 4096 tokens, what a CPU run can afford), gradient
+    checkpointing and a 2048-token micro-batch, and task deadlines that leave room for queueing
+    behind other attempts on one slow node (scheduler.task_timeout_s counts from dispatch)."""
+    config_file = model_dir / "config.json"
+    if not config_file.is_file():
+        return {}
+    config = json.loads(config_file.read_text())
+    params = _parameter_count(model_dir)
+    if params < REAL_MODEL_PARAMS:
+        return {}
+    context = min(int(config.get("max_position_embeddings") or 2048), 4096)
+    lr = 2e-6 if params < 1_000_000_000 else 1e-6
+    return {
+        "scheduler": {"task_timeout_s": 600.0, "max_inflight_groups": 4},
+        "trainer": {
+            "lr": lr,
+            "gradient_checkpointing": True,
+            "max_tokens_per_microbatch": 2048,
+            "max_seq_len": context,
+            "groups_per_step": 2,
+        },
+        "inference": {"max_model_len": context, "max_batch": 32},
+    }
+
+
+def _parameter_count(model_dir: Path) -> int:
+    """Parameters in the folder's safetensors files (from their headers: nothing is loaded)."""
+    total = 0
+    for path in model_dir.glob("*.safetensors"):
+        with path.open("rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        for name, info in header.items():
+            if name != "__metadata__":
+                total += math.prod(info["shape"])
+    return total
+
+
 def _calc_tasks(calc: Path) -> Any:
     """examples/calc/tasks.py of the checkout, loaded from its file (examples is not installed)."""
     spec = importlib.util.spec_from_file_location("squall_init_calc_tasks", calc / "tasks.py")
@@ -219,6 +266,8 @@ def scaffold(
         name or run_name_for(folder), str(Path(model).resolve()) if model else str(demo_policy())
     )
     values["scheduler"]["val_samples"] = val
+    for section, fields in (model_settings(Path(model)) if model else {}).items():
+        values[section].update(fields)
     text = render_run_file(values, HEADER)
     load_config(None, env={}, overrides=values)  # what we set must validate before anything is written
     (folder / "data").mkdir(parents=True, exist_ok=True)

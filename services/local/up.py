@@ -103,8 +103,16 @@ def measured_word(summary: dict[str, Any]) -> str:
     measured, last = summary.get("val_reward_end_version"), summary.get("trainer_last_version")
     if measured is None:
         return "(no validation)"
-    if last is None:
-        return f"(version {measured}; the trainer did not report a last version)"
+    if last is None:  # the data did not run out (a time limit): say how far the trainer got
+        reached = (summary.get("versions") or {}).get("trainer")
+        if reached is None:
+            return f"(version {measured}; the trainer did not report a last version)"
+        if int(reached) == measured:
+            return f"(version {measured}, the trainer's newest when the run stopped)"
+        return (
+            f"(version {measured}; the trainer had reached version {reached}, which no finished "
+            "validation round measured)"
+        )
     if measured == last:
         return f"(version {measured}, the final one)"
     return f"(version {measured}, NOT the final version {last})"

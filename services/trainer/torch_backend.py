@@ -45,6 +45,13 @@ class TorchBackend(TrainerBackend):
         )
         self.model.train()
         self.model.config.use_cache = False
+        if self.cfg.gradient_checkpointing:  # before LoRA wraps it: peft keeps the setting
+            if hasattr(self.model, "activation_checkpointing_enable"):  # its name from transformers 5.x
+                self.model.activation_checkpointing_enable({"use_reentrant": False})
+            else:
+                self.model.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": False}
+                )
         self.autocast = self.device.type == "cuda"
         self.vocab_size = int(self.model.config.vocab_size)
         pad = getattr(self.model.config, "pad_token_id", None)

@@ -18,7 +18,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from squall.inference.engines.engine import Delta
 from squall.inference.http.protocol import ApiError
-from squall.inference.toolcalls import parse_tool_calls
+from squall.inference.toolparsers import PARSERS
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 VERSION_HEADER = "x-squall-weight-version"
@@ -121,6 +121,15 @@ class Reply:
     prefix: str = ""  # chat: the tool_choice prefill, part of the prompt, shown in the content
     tool_choice: str | None = None  # chat: None = no tools offered, so no tool-call parsing
     reasoning: bool = False  # chat: split <think>...</think> into reasoning_content
+    parser: Any = PARSERS["hermes"]  # chat: the model family's tool-call format (toolparsers.py)
+    on_parse_failure: Callable[[], None] = lambda: None  # chat: tool-call-like text that did not parse
+
+    def parse_tools(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """(content, tool calls) of a finished reply; a failed attempt is counted, stays content."""
+        parsed = self.parser.parse(text)
+        if parsed.failed:
+            self.on_parse_failure()
+        return parsed.content, parsed.calls
 
     def logprob_entries(self, ids: list[int], logprobs: list[float]) -> list[dict[str, Any]]:
         entries = []
@@ -179,7 +188,7 @@ def chat_message(reply: Reply, text: str, finish: str | None) -> tuple[dict[str,
     reasoning, text = split_reasoning(text) if reply.reasoning else (None, text)
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if reply.tool_choice is not None:
-        content, calls = parse_tool_calls(reply.prefix + text)
+        content, calls = reply.parse_tools(reply.prefix + text)
         if calls:
             message, finish = {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
         elif reply.prefix:
@@ -235,7 +244,7 @@ class _ChatStream:
         if self.reply.tool_choice is not None:
             text = self.buffered[d.index] = self.buffered.get(d.index, self.reply.prefix) + text
             if d.finish_reason:
-                content, calls = parse_tool_calls(text)
+                content, calls = self.reply.parse_tools(text)
                 if calls:
                     delta["content"] = content
                     delta["tool_calls"] = [{**call, "index": k} for k, call in enumerate(calls)]

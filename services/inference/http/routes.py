@@ -22,9 +22,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from squall.inference.engines.engine import Delta, SamplingParams
 from squall.inference.http.protocol import ApiError, ChatRequest, CompletionRequest, parse
 from squall.inference.http.state import ServerState
+from squall.inference.prompt import NoChatTemplate
 from squall.inference.toolcalls import (
     ToolError,
-    forced_prefix,
     normalize_messages,
     resolve_tool_choice,
     validate_tools,
@@ -76,6 +76,8 @@ async def chat_completions(request: Request, state: ServerState) -> Response:
         prefix=prefix,
         tool_choice=choice,
         reasoning=state.reasoning,
+        parser=state.chat_format.parser,
+        on_parse_failure=state.metrics.tool_parse_failures.inc,
     )
     stream = state.engine.generate(prompt_ids, params, stream=req.stream)
     if req.stream:
@@ -152,15 +154,16 @@ def chat_prompt(state: ServerState, req: ChatRequest) -> tuple[list[int], str, s
         raise ApiError(400, str(exc), param="tools") from None
     messages = normalize_messages(req.messages)
     messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+    chat = state.chat_format
     try:
-        prompt = state.tokenizer.apply_chat_template(
-            messages, tools=tools if choice else None, add_generation_prompt=True, tokenize=False
-        )
+        prompt = chat.render(messages, tools if choice else None)
+    except NoChatTemplate as exc:
+        raise ApiError(400, str(exc), param="messages") from None
     except Exception as exc:  # a template error is the caller's message shape
         raise ApiError(
             400, f"messages cannot be rendered by the model's chat template: {exc}", param="messages"
         ) from None
-    prefix = forced_prefix(choice)
+    prefix = chat.parser.forced_prefix(choice)
     return state.tokenizer.encode(prompt + prefix, add_special_tokens=False), prefix, choice
 
 

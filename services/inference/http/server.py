@@ -40,11 +40,21 @@ def create_app(
     api_key: str = "",
     metrics: InferenceMetrics,
     reasoning_parser: str = "think",
+    tool_parser: str = "auto",
+    chat_template: str = "",
 ) -> FastAPI:
     """The API of one node: `engine` samples, the app speaks OpenAI."""
     app = FastAPI(title="squall inference", docs_url=None, redoc_url=None)
     reasoning = reasoning_parser == "think"
-    state = ServerState(engine=engine, model_name=model_name, node=node, metrics=metrics, reasoning=reasoning)
+    state = ServerState(
+        engine=engine,
+        model_name=model_name,
+        node=node,
+        metrics=metrics,
+        reasoning=reasoning,
+        tool_parser=tool_parser,
+        chat_template=chat_template,
+    )
     metrics.watch_engine(engine.stats)
     app.add_middleware(Gate, api_key=api_key, metrics=metrics)
     app.add_exception_handler(ApiError, routes.api_error)  # type: ignore[arg-type]

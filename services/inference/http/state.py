@@ -11,6 +11,7 @@ from squall.inference.engines.engine import Engine
 from squall.inference.http.protocol import ApiError
 from squall.inference.http.render import TokenTexts
 from squall.inference.node_metrics import InferenceMetrics
+from squall.inference.prompt import ChatFormat
 
 
 @dataclass
@@ -22,7 +23,10 @@ class ServerState:
     node: str  # this node's id, in every response body
     metrics: InferenceMetrics
     reasoning: bool = True  # split <think>...</think> into reasoning_content (inference.reasoning_parser)
+    tool_parser: str = "auto"  # the tool-call format (inference.tool_parser; auto: from the template)
+    chat_template: str = ""  # a Jinja file replacing the model's chat template (inference.chat_template)
     token_texts: TokenTexts = field(init=False)  # token id -> its text, for logprob entries
+    _chat_format: ChatFormat | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.token_texts = TokenTexts(decoder_of(self.engine.tokenizer))
@@ -30,6 +34,13 @@ class ServerState:
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    @property
+    def chat_format(self) -> ChatFormat:
+        """How chat prompts are rendered, built on first use (the engine loads the tokenizer at start)."""
+        if self._chat_format is None or self._chat_format.tokenizer is not self.tokenizer:
+            self._chat_format = ChatFormat(self.tokenizer, self.tool_parser, self.chat_template)
+        return self._chat_format
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
