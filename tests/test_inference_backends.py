@@ -64,7 +64,11 @@ SMALL_SHARD = 200_000  # bytes: the tiny model becomes several shards
 
 def need_backend(backend: str) -> None:
     if backend == "vllm":
-        need("vllm", installed("vllm"), "vllm is not installed here (make test-vllm runs these in its own venv)")
+        need(
+            "vllm",
+            installed("vllm"),
+            "vllm is not installed here (make test-vllm runs these in its own venv)",
+        )
 
 
 def same_text(backend: str):
@@ -137,7 +141,12 @@ def greedy(node, messages=MESSAGES, max_tokens=16):
     assert raw.headers["x-squall-weight-version"] == str(reply.model_extra["weight_version"])
     c = reply.choices[0]
     logprobs = [e.logprob for e in c.logprobs.content]
-    return reply.model_extra["weight_version"], c.model_extra["prompt_token_ids"], c.model_extra["token_ids"], logprobs
+    return (
+        reply.model_extra["weight_version"],
+        c.model_extra["prompt_token_ids"],
+        c.model_extra["token_ids"],
+        logprobs,
+    )
 
 
 def health(node) -> dict:

@@ -75,7 +75,9 @@ class TorchBackend(TrainerBackend):
         batches = pack_microbatches([s.length for s in samples], self.cfg.max_tokens_per_microbatch)
         mine = distributed.share_of(batches, self.world) if self.world.distributed else list(batches)
         self.optimizer.zero_grad(set_to_none=True)
-        totals = dict.fromkeys(("loss", "pg_loss", "kl", "clip", "tis", "ratio", "entropy", "gap", "tokens"), 0.0)
+        totals = dict.fromkeys(
+            ("loss", "pg_loss", "kl", "clip", "tis", "ratio", "entropy", "gap", "tokens"), 0.0
+        )
         for n, indices in enumerate(mine):
             if self.world.distributed:  # reduce-scatter once, after the last micro-batch
                 self.model.set_requires_gradient_sync(n == len(mine) - 1)
