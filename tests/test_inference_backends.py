@@ -87,8 +87,14 @@ def same_text(backend: str):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    base = build_tiny_model(tmp_path_factory.mktemp("tiny"), num_heads=2)
-    return teach_tool_use(base, tmp_path_factory.mktemp("taught"))
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"), num_heads=2)
+
+
+@pytest.fixture(scope="module")
+def taught_dir(model_dir, tmp_path_factory):
+    """The tiny model taught the tool conversation: its replies are too peaked for the sampling
+    tests, so it serves on a node of its own (the LoRA node below)."""
+    return teach_tool_use(model_dir, tmp_path_factory.mktemp("taught"))
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +133,23 @@ def start(backend, model_dir, run_settings, node, **inference):
 @pytest.fixture(scope="module")
 def node(backend, model_dir, run):
     server = start(backend, model_dir, run[0], "main")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def lora_run(backend, redis_url):
+    name = f"l{backend}{uuid.uuid4().hex[:6]}"
+    client = redis.Redis.from_url(redis_url)
+    yield {"name": name, "redis_url": redis_url, "autostart_redis": False}, client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def lora_node(backend, taught_dir, lora_run):
+    """A node of a LoRA run (trainer.lora_rank = 8; vLLM starts with enable_lora) on the taught
+    model: the tool tests run on it at version 0, then the LoRA test publishes adapters."""
+    server = start(backend, taught_dir, lora_run[0], "lora", trainer={"lora_rank": 8})
     yield server
     server.stop()
 
@@ -211,69 +234,6 @@ def test_streaming_delivers_the_same_contract(backend, node, models, tokenizer):
 
 def test_completions_with_token_ids_and_stop_strings(backend, node, models, tokenizer):
     check_completions_contract(node.client(), models[0], tokenizer, same_text(backend))
-
-
-# --- tools, in the model's own format (Qwen2's <tool_call>), and the eos stop token -------------
-
-
-def test_tool_call_round_trip_and_the_stop_token(node, tokenizer):
-    client = node.client()
-    first = client.chat.completions.create(
-        model="policy", messages=TOOL_QUESTION, tools=[CALC_TOOL], temperature=0, max_tokens=48,
-        extra_body={"return_token_ids": True},
-    )  # fmt: skip
-    choice = first.choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.content is None
-    (call,) = choice.message.tool_calls
-    assert call.type == "function" and call.function.name == "calculator"
-    assert json.loads(call.function.arguments) == TOOL_ARGS
-    messages = [
-        *TOOL_QUESTION,
-        choice.message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}),
-        {"role": "tool", "tool_call_id": call.id, "content": "84"},
-    ]
-    second = client.chat.completions.create(
-        model="policy", messages=messages, tools=[CALC_TOOL], temperature=0, max_tokens=24,
-        extra_body={"return_token_ids": True},
-    )  # fmt: skip
-    answer = second.choices[0]
-    assert answer.finish_reason == "stop" and answer.message.content == TOOL_ANSWER
-    assert not answer.message.tool_calls
-    # The eos token ended the reply: it is the last token id, and its text is not in the content.
-    assert answer.model_extra["token_ids"][-1] == tokenizer.eos_token_id
-    # The second prompt extends the first prompt + its sampled tokens, token for token.
-    before = choice.model_extra["prompt_token_ids"] + choice.model_extra["token_ids"]
-    assert answer.model_extra["prompt_token_ids"][: len(before)] == before
-
-
-def test_tool_call_streaming(node):
-    stream = node.client().chat.completions.create(
-        model="policy", messages=TOOL_QUESTION, tools=[CALC_TOOL], temperature=0, max_tokens=48, stream=True
-    )
-    calls, finish = [], None
-    for chunk in stream:
-        for c in chunk.choices:
-            calls += c.delta.tool_calls or []
-            finish = c.finish_reason or finish
-    assert finish == "tool_calls"
-    assert [c.function.name for c in calls] == ["calculator"]
-    assert json.loads(calls[0].function.arguments) == TOOL_ARGS
-
-
-def test_tool_choice_none_hides_tools_and_a_named_choice_is_forced(node, tokenizer):
-    client = node.client()
-    plain = client.chat.completions.create(
-        model="policy", messages=TOOL_QUESTION, tools=[CALC_TOOL], tool_choice="none", temperature=0,
-        max_tokens=8, extra_body={"return_token_ids": True},
-    )  # fmt: skip
-    assert plain.choices[0].finish_reason != "tool_calls"
-    assert "<tools>" not in tokenizer.decode(plain.choices[0].model_extra["prompt_token_ids"])
-    forced = client.chat.completions.create(
-        model="policy", messages=TOOL_QUESTION, tools=[CALC_TOOL], temperature=0, max_tokens=48,
-        tool_choice={"type": "function", "function": {"name": "calculator"}},
-    )  # fmt: skip
-    assert forced.choices[0].finish_reason == "tool_calls"
-    assert forced.choices[0].message.tool_calls[0].function.name == "calculator"
 
 
 # --- /health and hot reload: a full file, a bad file, a sharded version, mid-traffic -------------
@@ -369,28 +329,88 @@ def test_a_pinned_snapshot_node_serves_its_version(backend, node, model_dir, mod
         pinned.stop()
 
 
-def test_lora_adapters_are_served_and_replace_each_other(backend, model_dir, models, redis_url, tmp_path):
-    """A node of a LoRA run (trainer.lora_rank = 8): each published adapter is applied to new
-    requests; greedy replies match the base with that adapter merged (v2 replaces v1)."""
-    name = f"l{backend}{uuid.uuid4().hex[:6]}"
-    settings = {"name": name, "redis_url": redis_url, "autostart_redis": False}
-    r = redis.Redis.from_url(redis_url)
-    node = start(backend, model_dir, settings, "lora", trainer={"lora_rank": 8})
-    try:
-        version, prompt_ids, ids, logprobs = greedy(node)
-        assert version == 0
-        assert_logprobs_match(models[0], prompt_ids, ids, logprobs)
-        for version, seed in ((1, 11), (2, 22)):
-            folder = tmp_path / f"v{version:06d}"
-            checksum, expected = random_adapter(models[0], folder, version=version, seed=seed)
-            publish(r, name, version, folder, checksum, format="lora")
-            wait_for(lambda v=version: health(node)["weight_version"] == v, RELOAD_S, f"adapter v{version}")
-            got, prompt_ids, ids, logprobs = greedy(node)
-            assert got == version
-            assert_logprobs_match(expected, prompt_ids, ids, logprobs)
-            base = recompute_logprobs(models[0], prompt_ids, ids)
-            assert max(abs(a - b) for a, b in zip(logprobs, base, strict=True)) > 0.05  # the adapter matters
-            assert_version_everywhere(node, r, name, version, key="inference:lora")
-    finally:
-        node.stop()
-        r.close()
+# --- the LoRA node: tools in the model's own format (<tool_call>), the eos stop token, adapters ---
+
+
+def test_tool_call_round_trip_and_the_stop_token(lora_node, tokenizer):
+    client = lora_node.client()
+    first = client.chat.completions.create(
+        model="policy", messages=TOOL_QUESTION, tools=[CALC_TOOL], temperature=0, max_tokens=48,
+        extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "calculator"
+    assert json.loads(call.function.arguments) == TOOL_ARGS
+    messages = [
+        *TOOL_QUESTION,
+        choice.message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}),
+        {"role": "tool", "tool_call_id": call.id, "content": "84"},
+    ]
+    second = client.chat.completions.create(
+        model="policy", messages=messages, tools=[CALC_TOOL], temperature=0, max_tokens=24,
+        extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    answer = second.choices[0]
+    assert answer.finish_reason == "stop" and answer.message.content == TOOL_ANSWER
+    assert not answer.message.tool_calls
+    # The eos token ended the reply: it is the last token id, and its text is not in the content.
+    assert answer.model_extra["token_ids"][-1] == tokenizer.eos_token_id
+    # The second prompt extends the first prompt + its sampled tokens, token for token.
+    before = choice.model_extra["prompt_token_ids"] + choice.model_extra["token_ids"]
+    assert answer.model_extra["prompt_token_ids"][: len(before)] == before
+
+
+def test_tool_call_streaming(lora_node):
+    stream = lora_node.client().chat.completions.create(
+        model="policy", messages=TOOL_QUESTION, tools=[CALC_TOOL], temperature=0, max_tokens=48, stream=True
+    )
+    calls, finish = [], None
+    for chunk in stream:
+        for c in chunk.choices:
+            calls += c.delta.tool_calls or []
+            finish = c.finish_reason or finish
+    assert finish == "tool_calls"
+    assert [c.function.name for c in calls] == ["calculator"]
+    assert json.loads(calls[0].function.arguments) == TOOL_ARGS
+
+
+def test_tool_choice_none_hides_tools_and_a_named_choice_is_forced(lora_node, tokenizer):
+    client = lora_node.client()
+    plain = client.chat.completions.create(
+        model="policy", messages=TOOL_QUESTION, tools=[CALC_TOOL], tool_choice="none", temperature=0,
+        max_tokens=8, extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    assert plain.choices[0].finish_reason != "tool_calls"
+    assert "<tools>" not in tokenizer.decode(plain.choices[0].model_extra["prompt_token_ids"])
+    forced = client.chat.completions.create(
+        model="policy", messages=TOOL_QUESTION, tools=[CALC_TOOL], temperature=0, max_tokens=48,
+        tool_choice={"type": "function", "function": {"name": "calculator"}},
+    )  # fmt: skip
+    assert forced.choices[0].finish_reason == "tool_calls"
+    assert forced.choices[0].message.tool_calls[0].function.name == "calculator"
+
+
+def test_lora_adapters_are_served_and_replace_each_other(lora_node, taught_dir, lora_run, tmp_path):
+    """Runs after the tool tests (version 0): each published adapter is applied to new requests;
+    greedy replies match the base with that adapter merged (v2 replaces v1, never stacks)."""
+    from inference_helpers import load_model
+
+    settings, r = lora_run
+    name = settings["name"]
+    base_model = load_model(taught_dir)
+    version, prompt_ids, ids, logprobs = greedy(lora_node)
+    assert version == 0
+    assert_logprobs_match(base_model, prompt_ids, ids, logprobs)
+    for version, seed in ((1, 11), (2, 22)):
+        folder = tmp_path / f"v{version:06d}"
+        checksum, expected = random_adapter(base_model, folder, version=version, seed=seed)
+        publish(r, name, version, folder, checksum, format="lora")
+        wait_for(lambda v=version: health(lora_node)["weight_version"] == v, RELOAD_S, f"adapter v{version}")
+        got, prompt_ids, ids, logprobs = greedy(lora_node)
+        assert got == version
+        assert_logprobs_match(expected, prompt_ids, ids, logprobs)
+        base = recompute_logprobs(base_model, prompt_ids, ids)
+        assert max(abs(a - b) for a, b in zip(logprobs, base, strict=True)) > 0.05  # the adapter matters
+        assert_version_everywhere(lora_node, r, name, version, key="inference:lora")
