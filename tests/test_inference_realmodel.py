@@ -59,7 +59,8 @@ def test_a_short_run_through_squall_up_on_vllm_with_the_real_model(tmp_path, mon
         scheduler={"dataset": str(tmp_path / "train.jsonl"), "val_dataset": str(tmp_path / "val.jsonl"),
                    "group_size": 4, "max_inflight_groups": 2, "max_staleness": 0, "val_samples": 2,
                    "val_every": 100, "task_timeout_s": 300},
-        trainer={"groups_per_step": 2, "max_steps": 3, "max_staleness": 0, "lr": 1e-5, "keep_versions": 4},
+        trainer={"groups_per_step": 2, "max_steps": 3, "max_staleness": 0, "lr": 1e-5, "keep_versions": 4,
+                 "overlong": "keep"},  # tiny_llm asks for 4 tokens: every reply is cut by max_tokens
         runner={"agent": "runner_agents:tiny_llm", "concurrency": 8},
         inference={"backend": "vllm", "dtype": "float32", "max_batch": 8, "max_model_len": 1024},
     )  # fmt: skip
