@@ -126,29 +126,14 @@ class TorchBackend(TrainerBackend):
         if filler:
             arrays["loss_mask"] = np.zeros_like(arrays["loss_mask"])
             arrays["weights"] = np.zeros_like(arrays["weights"])
-        t = {
-            k: torch.from_numpy(v).to(self.device)
-            for k, v in arrays.items()
-            if k not in ("input_ids", "attention_mask")
-        }
+        t = self._tensors(arrays)
         logits = self._forward(self.model, arrays)
         logp = token_logprobs(logits, t["targets"])  # (B, T-1)
         ref_logp = None
         if self.reference is not None:
             with torch.no_grad():
                 ref_logp = token_logprobs(self._forward(self.reference, arrays), t["targets"])
-        out = ppo_tis_loss(
-            logp,
-            t["behaviour_logprobs"],
-            t["advantages"],
-            t["loss_mask"],
-            t["weights"],
-            clip_low=self.cfg.clip_low,
-            clip_high=self.cfg.clip_high,
-            tis_cap=self.cfg.tis_cap,
-            ref_logp=ref_logp,
-            kl_coef=self.cfg.kl_coef,
-        )
+        out = self._loss(logp, t, ref_logp)
         out.loss.backward()
         mask = t["loss_mask"] > 0
         entropy = token_entropy(logits.detach())[mask].sum().item() if out.tokens else 0.0
@@ -165,18 +150,18 @@ class TorchBackend(TrainerBackend):
             "tokens": float(out.tokens),
         }
 
-    @torch.no_grad()
-    def loss_on(self, samples: Sequence[Sample]) -> float:
-        """The step loss on `samples` without updating (tests and diagnostics)."""
-        weights = token_weights(samples, self.cfg.loss_agg)
-        arrays = collate(samples, weights, self.pad_id)
-        t = {
+    def _tensors(self, arrays: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The collated arrays the loss reads, on the training device (ids and mask stay
+        with the forward, which takes them as numpy)."""
+        return {
             k: torch.from_numpy(v).to(self.device)
             for k, v in arrays.items()
             if k not in ("input_ids", "attention_mask")
         }
-        logp = token_logprobs(self._forward(self.model, arrays), t["targets"])
-        out = ppo_tis_loss(
+
+    def _loss(self, logp: torch.Tensor, t: dict[str, torch.Tensor], ref_logp: torch.Tensor | None = None):
+        """The PPO/TIS loss with this run's clip, TIS cap and (given a reference) KL settings."""
+        return ppo_tis_loss(
             logp,
             t["behaviour_logprobs"],
             t["advantages"],
@@ -185,7 +170,18 @@ class TorchBackend(TrainerBackend):
             clip_low=self.cfg.clip_low,
             clip_high=self.cfg.clip_high,
             tis_cap=self.cfg.tis_cap,
+            ref_logp=ref_logp,
+            kl_coef=self.cfg.kl_coef,
         )
+
+    @torch.no_grad()
+    def loss_on(self, samples: Sequence[Sample]) -> float:
+        """The step loss on `samples` without updating (tests and diagnostics)."""
+        weights = token_weights(samples, self.cfg.loss_agg)
+        arrays = collate(samples, weights, self.pad_id)
+        t = self._tensors(arrays)
+        logp = token_logprobs(self._forward(self.model, arrays), t["targets"])
+        out = self._loss(logp, t)
         return float(out.loss)
 
     def weights(self) -> dict[str, Any]:
