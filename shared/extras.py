@@ -16,6 +16,8 @@ EXTRA_OF: dict[str, str] = {
     "tokenizers": "ml",
     "safetensors": "ml",
     "peft": "ml",
+    "gguf": "ml",
+    "psutil": "ml",
     "pyarrow": "data",
     "matplotlib": "data",
     "bm25s": "tools",
