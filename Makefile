@@ -132,7 +132,8 @@ LITELLM_PKGS ?= litellm[mcp]==1.106.2
 # without declaring it, hence the second package.
 YOUTU_VENV ?= .venv-youtu
 YOUTU_PKGS ?= youtu-agent==0.1.3 opentelemetry-exporter-otlp-proto-http
-YOUTU_BASE_PYTHON ?= $(firstword $(shell command -v python3.12 python3.13 2>/dev/null) $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python))
+# (a pyenv shim named python3.12 exists even where pyenv has no 3.12 selected, so a candidate must run)
+YOUTU_BASE_PYTHON ?= $(firstword $(shell for p in python3.12 python3.13; do $$p -c pass 2>/dev/null && command -v $$p; done) $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python))
 
 .PHONY: frameworks test-frameworks cli
 frameworks: $(AGENTS_VENV)/.installed $(CREWAI_VENV)/.installed $(LITELLM_VENV)/.installed $(YOUTU_VENV)/.installed
