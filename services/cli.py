@@ -31,6 +31,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "squall.scheduler.cli",
         "run the scheduler: dataset -> GRPO groups -> tasks, retries, ledger",
     ),
+    "optimize": (
+        "squall.optimizer.cli",
+        "optimise a resource (a system prompt) of the run: APO by textual gradients and a beam",
+    ),
     "runner": ("squall.runner.cli", "run a runner: execute task attempts with your agent"),
     "trainer": ("squall.trainer.cli", "run the trainer: trajectories -> GRPO steps -> weights"),
     "inference": ("squall.inference.cli", "serve a model over an OpenAI-compatible API with hot reload"),

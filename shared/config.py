@@ -1,6 +1,8 @@
 """One validated config per run: a TOML or YAML file, overridable per service by
 environment variables ``SQUALL_<SECTION>__<FIELD>`` (e.g. ``SQUALL_TRAINER__LR=1e-5``, read by
 pydantic-settings' EnvSettingsSource against the models, so a list or table field takes JSON).
+A secret can come from a file instead: ``SQUALL_RUN__REDIS_URL_FILE=/run/secrets/redis_url``
+(pydantic-settings' own secrets_dir does not reach nested fields).
 
 Every section is one pydantic model with a docstring per field and bounds (the docstrings are
 the fields' descriptions: `use_attribute_docstrings`); an unknown or bad value is a ConfigError
@@ -147,7 +149,11 @@ class SchedulerSection(Section):
     infra_backoff_max_s: float = Field(30.0, gt=0)
     """Longest delay before an infrastructure retry starts."""
     task_timeout_s: float = Field(120.0, gt=0)
-    """Deadline of one attempt, from dispatch."""
+    """Deadline of one attempt, from dispatch (time waiting in a runner's queue counts). With
+    attempt_timeout_s set, it bounds only the wait for a runner to start the attempt."""
+    attempt_timeout_s: float = Field(0.0, ge=0)
+    """Deadline of one attempt counted from when a runner starts it, so queueing behind other
+    attempts on a slow node does not eat into it (0: task_timeout_s from dispatch decides)."""
     group_deadline_s: float = Field(600.0, gt=0)
     """A group is complete when all members finished or this passed since dispatch."""
     val_every: int = Field(0, ge=0)
@@ -278,8 +284,32 @@ class TrainerSection(Section):
     """Learning rate."""
     groups_per_step: int = Field(4, ge=1)
     """Complete groups that make one optimizer step."""
-    advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
-    """Advantage estimator."""
+    advantage: Literal["grpo", "drgrpo", "rloo", "turn_grpo", "turn_drgrpo", "turn_rloo"] = "grpo"
+    """Advantage estimator. The turn_* ones give each turn its discounted return-to-go
+    (turn-level rewards: llm.emit_reward) minus the group baseline of grpo/drgrpo/rloo
+    (docs/trainer.md)."""
+    turn_gamma: float = Field(1.0, gt=0, le=1)
+    """Discount per turn of the turn_* estimators' return-to-go (1: undiscounted)."""
+    sft: Literal["off", "only", "mix"] = "off"
+    """SFT from the run's own successful trajectories (trainer/sft.py): off, only (instead of
+    GRPO), or mix (both in each step)."""
+    sft_threshold: float = 1.0
+    """A member trains by SFT when its reward is >= this."""
+    sft_coef: float = Field(1.0, ge=0)
+    """Weight of the SFT (negative log-likelihood) term per token."""
+    sft_until_step: int = Field(0, ge=0)
+    """SFT stops at this optimizer step and GRPO alone goes on (0: never stops)."""
+    distill_url: str = ""
+    """On-policy distillation (trainer/distill.py): the teacher's OpenAI-compatible base URL,
+    answering prompt_logprobs, with the student's tokenizer ("": off)."""
+    distill_model: str = "teacher"
+    """The model name the teacher endpoint serves."""
+    distill_coef: float = Field(1.0, ge=0)
+    """Weight of the per-token reverse KL to the teacher in the advantage."""
+    distill_reward_coef: float = Field(0.0, ge=0)
+    """Weight of the task advantage mixed in (0: distillation alone)."""
+    distill_timeout_s: float = Field(60.0, gt=0)
+    """How long one teacher request is retried before the step fails."""
     clip_low: float = Field(0.2, ge=0)
     """PPO clip below 1 (ratio >= 1 - clip_low)."""
     clip_high: float = Field(0.28, ge=0)
@@ -305,6 +335,15 @@ class TrainerSection(Section):
     """Gradient norm clip."""
     publish_every: int = Field(1, ge=1)
     """Publish weights every k steps."""
+    checkpoint_every: int = Field(1, ge=1)
+    """Write the model + optimizer checkpoint every k steps (1.6 GB for a 135M model). Entries of
+    the steps in between stay unacked in the group's pending list until the checkpoint holding
+    them is durable; a crash re-trains them from the last checkpoint (docs/trainer.md)."""
+    checkpoint_every_s: float = Field(0.0, ge=0)
+    """Also checkpoint once this many seconds passed since the last checkpoint (0: steps only)."""
+    checkpoint_idle_s: float = Field(30.0, gt=0)
+    """With steps deferred, checkpoint anyway after reads came back empty this long (the
+    scheduler may hold groups until the trainer acks them)."""
     max_steps: int = Field(0, ge=0)
     """Stop after this many steps (0: until the scheduler finishes)."""
     group_wait_s: float = Field(600.0, gt=0)
@@ -363,6 +402,15 @@ class TrainerSection(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _check_sft(self) -> TrainerSection:
+        if self.sft != "off" and self.backend != "torch":
+            raise ValueError(
+                f"trainer.sft = {self.sft!r} needs trainer.backend = 'torch' (the {self.backend} "
+                "backend has no SFT loss): set backend = 'torch' or sft = 'off'"
+            )
+        return self
+
 
 class InferenceSection(Section):
     backend: Literal["torch", "vllm"] = "torch"
@@ -375,6 +423,10 @@ class InferenceSection(Section):
     """Node id in weights:applied (empty: host:port)."""
     device: str = "auto"
     """torch device (auto: cuda if available, else cpu)."""
+    swap: Literal["overlap", "drain"] = "overlap"
+    """How the torch engine swaps in a new weight version: "overlap" admits new requests on the
+    new version at once while the running ones finish on the old (both models in memory until
+    then); "drain" stops admitting until the running ones finished (new requests wait)."""
     max_batch: int = Field(32, ge=1)
     """Most sequences decoded together."""
     max_model_len: int = Field(2048, ge=16)
@@ -526,6 +578,111 @@ class AlertsSection(Section):
     """How often the scheduler looks for stalls."""
 
 
+class RoleLora(Section):
+    """One role's LoRA adapter on the shared base (`[roles.<name>] lora = {...}`)."""
+
+    rank: int = Field(8, ge=1, le=512)
+    """The adapter's rank."""
+    alpha: float = Field(16.0, gt=0)
+    """Scale numerator: the adapter adds (alpha / rank) * B @ A to its layer."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input while training."""
+    targets: list[str] = []
+    """Linear layers given this role's adapter (peft's target_modules); empty: trainer.lora_target_modules."""
+
+
+class RoleSection(Section):
+    """One trained role (`[roles.<name>]`): the agent names (seats) whose calls it trains, and
+    its own adapter, learning rate, advantage estimator and group size. See docs/multi_agent.md."""
+
+    agents: list[str] = []
+    """The seats this role covers: every call made by one of these agent names is served by the
+    role's adapter and trains it. Each seat belongs to one role at most."""
+    lora: RoleLora = RoleLora()
+    """The role's adapter (rank, alpha, dropout, targets)."""
+    lr: float | None = Field(None, gt=0)
+    """The role's learning rate (default: trainer.lr)."""
+    estimator: Literal["grpo", "drgrpo", "rloo", "turn_grpo", "turn_drgrpo", "turn_rloo"] | None = None
+    """The role's advantage estimator (default: trainer.advantage)."""
+    group_size: int | None = Field(None, ge=1, le=1024)
+    """The role's GRPO group: scheduler.group_size split into groups of this size (it must
+    divide scheduler.group_size; default: scheduler.group_size)."""
+
+
+class ResourcesSection(Section):
+    """Named text artifacts agents read (shared/resources.py), one line each: `name = "text"`
+    or `name = "file:PATH"`. The scheduler publishes each as version 1 when none is published
+    yet; a function agent reads `llm.resources[name]`. No fixed fields: every key is a name."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True, use_attribute_docstrings=True)
+
+    @model_validator(mode="after")
+    def _texts(self) -> ResourcesSection:
+        for name, value in (self.model_extra or {}).items():
+            if not isinstance(value, str):
+                raise ValueError(
+                    f'resources.{name}: must be text (or "file:PATH"), got {type(value).__name__}'
+                )
+        return self
+
+    def named(self) -> dict[str, str]:
+        """name -> text or `file:PATH`, as the run file gives them."""
+        return dict(self.model_extra or {})
+
+
+OPTIMIZER_ALGORITHMS = ("apo",)  # what `squall optimize --algorithm` knows (services/optimizer)
+
+
+class OptimizerSection(Section):
+    """The prompt optimiser (`squall optimize`, services/optimizer; docs/optimizer.md)."""
+
+    algorithm: str = ""
+    """Which optimiser `squall up` starts beside (or instead of) the trainer: `apo`, or empty: none."""
+    resource: str = "system_prompt"
+    """The `[resources]` entry it rewrites."""
+    editor_url: str = ""
+    """OpenAI-compatible base URL of the editor model (…/v1): the served policy, a frozen node or
+    an external API. Empty: the run's first inference node."""
+    editor_model: str = ""
+    """Model name sent to the editor (empty: model.name)."""
+    editor_api_key: str = ""
+    """Bearer key for the editor endpoint (empty: none)."""
+    editor_timeout_s: float = Field(60.0, gt=0)
+    """Deadline of one editor call."""
+    editor_deadline_s: float = Field(300.0, gt=0)
+    """How long one expansion retries a down or garbled editor before it gives up for the round
+    (the current prompt stays)."""
+    editor_temperature: float = Field(0.7, ge=0)
+    """Sampling temperature of the editor's rewrites."""
+    editor_max_tokens: int = Field(512, ge=16)
+    """Longest reply asked of the editor per call."""
+    rounds: int = Field(5, ge=1)
+    """Expansion rounds (critique, rewrites, evaluation) before the optimiser stops."""
+    beam_width: int = Field(2, ge=1)
+    """Prompts kept between rounds (ProTeGi's beam)."""
+    candidates: int = Field(2, ge=1, le=16)
+    """Rewrites asked of the editor per beam member and round."""
+    errors_per_critique: int = Field(4, ge=1)
+    """Low-reward attempts shown to the editor in one critique."""
+    eval_samples: int = Field(16, ge=1)
+    """Training rows each candidate is scored on (the same rows for every candidate)."""
+    heldout_samples: int = Field(0, ge=0)
+    """Validation rows the best prompt is measured on after each round (0: the whole
+    validation split); reported as `val` reward points."""
+    eval_timeout_s: float = Field(600.0, gt=0)
+    """How long one evaluation waits for its attempts; missing ones count as reward 0."""
+    min_improvement: float = Field(0.0, ge=0)
+    """A candidate replaces the current prompt only if it scores more than this much higher."""
+
+    @model_validator(mode="after")
+    def _known_algorithm(self) -> OptimizerSection:
+        if self.algorithm and self.algorithm not in OPTIMIZER_ALGORITHMS:
+            raise ValueError(
+                f"optimizer.algorithm {self.algorithm!r} is not known: use one of {list(OPTIMIZER_ALGORITHMS)}"
+            )
+        return self
+
+
 class RunConfig(Section):
     """The whole run file."""
 
@@ -538,6 +695,20 @@ class RunConfig(Section):
     worker: WorkerSection = WorkerSection()
     tracking: TrackingSection = TrackingSection()
     alerts: AlertsSection = AlertsSection()
+    roles: dict[str, RoleSection] = {}
+    """Trained roles by name (`[roles.wolves] agents = [...]`); none: one role, `policy`,
+    training the calls `runner.train_agents` names (a single-policy run, as before roles)."""
+    optimizer: OptimizerSection = OptimizerSection()
+    """The prompt optimiser, when the run has one (`algorithm = "apo"`)."""
+    resources: ResourcesSection = ResourcesSection()
+    """Named texts the agents read, versioned like weights (`llm.resources[name]`)."""
+
+    @model_validator(mode="after")
+    def _check_roles(self) -> RunConfig:
+        from .roleplan import check_roles  # the checks live with the plan they guard
+
+        check_roles(self)
+        return self
 
     def to_json(self) -> str:
         return self.model_dump_json()
@@ -566,9 +737,51 @@ def _read_file(path: Path) -> dict[str, Any]:
     return data
 
 
+FILE_SUFFIX = "_FILE"
+
+
+def _is_field(section: str, field: str) -> bool:
+    model = RunConfig.model_fields.get(section)
+    annotation = model.annotation if model else None
+    return (
+        isinstance(annotation, type)
+        and issubclass(annotation, BaseModel)
+        and field in annotation.model_fields
+    )
+
+
+def _read_secret_files(env: Mapping[str, str]) -> dict[str, str]:
+    """`SQUALL_<SECTION>__<FIELD>_FILE=path` stands for `SQUALL_<SECTION>__<FIELD>` = the file's
+    text, whitespace stripped (the Docker/compose convention for secrets): a container gets its
+    Redis password as a mounted file, so it never shows in `podman inspect`'s environment.
+    Applies only where `<field>` is a setting and `<field>_file` is not."""
+    out = dict(env)
+    for name, path in env.items():
+        upper = name.upper()
+        if not (upper.startswith(ENV_PREFIX) and "__" in upper and upper.endswith(FILE_SUFFIX)):
+            continue
+        section, field = upper[len(ENV_PREFIX) : -len(FILE_SUFFIX)].lower().split("__", 1)
+        if not _is_field(section, field) or _is_field(section, field + FILE_SUFFIX.lower()):
+            continue
+        target = name[: -len(FILE_SUFFIX)]
+        if any(other.upper() == target.upper() for other in env):
+            raise ConfigError(f"environment variable {name} and {target} are both set: give only one")
+        try:
+            out[target] = Path(path).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(
+                f"environment variable {name}: cannot read {path!r} ({exc.strerror}); "
+                f"mount the file there or unset {name}"
+            ) from None
+        del out[name]
+    return out
+
+
 def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
     """`SQUALL_<SECTION>__<FIELD>` variables as nested sections (pydantic-settings' reading:
-    scalars stay strings for pydantic to validate, list and table fields are parsed as JSON)."""
+    scalars stay strings for pydantic to validate, list and table fields are parsed as JSON);
+    `SQUALL_<SECTION>__<FIELD>_FILE` reads the value from a file (_read_secret_files)."""
+    env = _read_secret_files(env)
     ours = {
         name: value for name, value in env.items() if name.upper().startswith(ENV_PREFIX) and "__" in name
     }
@@ -606,7 +819,10 @@ def _format_errors(exc: ValidationError, source: str) -> str:
         where = ".".join(str(part) for part in error["loc"])
         got = error.get("input")
         shown = "" if isinstance(got, dict) else f" (got {got!r})"
-        lines.append(f"{where}: {error['msg']}{shown}")
+        message = error["msg"].removeprefix("Value error, ")
+        lines.append(
+            f"{where}: {message}{shown}" if where else message
+        )  # a whole-file check names its fields
     return f"invalid config {source}:\n  " + "\n  ".join(lines)
 
 

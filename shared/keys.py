@@ -8,6 +8,7 @@ This module is the only place a name is spelled; README's streams table mirrors 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 PREFIX = "squall"
@@ -18,7 +19,18 @@ RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 # need no acknowledgement, so no group of theirs may hold back trimming.
 GROUP_RUNNERS = "runners"
 GROUP_TRAINER = "trainer"
+
+
+def trainer_group(role: str = "policy") -> str:
+    """The trajectories consumer group of one trained role's trainer: `trainer` for the single
+    policy, `trainer:<role>` for each role of a run with several (each settles and acks on its own)."""
+    return GROUP_TRAINER if role == "policy" else f"{GROUP_TRAINER}:{role}"
+
+
 GROUP_SCHEDULER = "scheduler"
+# The prompt optimiser's group on `trajectories` (services/optimizer); trimming waits for it
+# only where it exists.
+GROUP_OPTIMIZER = "optimizer"
 
 # rq (the tool pool, services/toolpool) keeps its own keys under this prefix, outside any run.
 RQ_PREFIX = "rq"
@@ -89,6 +101,16 @@ class Keys:
         """Operator commands (Control): pause, resume, drain, limits."""
         return self.key_for("control")
 
+    @property
+    def resources(self) -> str:
+        """One entry per published resource version (ResourceVersion); read without a group."""
+        return self.key_for("resources")
+
+    @property
+    def optimizer_calls(self) -> str:
+        """Every LLM call the optimiser made (Event `editor_call`), capped."""
+        return self.key_for("optimizer:calls")
+
     # --- hashes and sets -----------------------------------------------------
     @property
     def config(self) -> str:
@@ -153,6 +175,21 @@ class Keys:
         """Stream of (version, mode, mean reward) points for the reward curve, capped."""
         return self.key_for("rewards")
 
+    @property
+    def resources_current(self) -> str:
+        """Hash: resource name -> JSON {version, generation} new tasks pin; `<name>:seq` -> last version."""
+        return self.key_for("resources:current")
+
+    @property
+    def resources_versions(self) -> str:
+        """Hash: `name@version` -> the encoded ResourceVersion (versions never change)."""
+        return self.key_for("resources:versions")
+
+    @property
+    def optimizer_state(self) -> str:
+        """Hash: the optimiser's checkpoint (its beam, round, counts), written with its XACKs."""
+        return self.key_for("optimizer")
+
     # --- the tool pool (rq) ------------------------------------------------------
     def tool_queue(self, tool: str) -> str:
         """rq queue name of one tool of the run's pool (`squall worker`); rq itself keeps the
@@ -171,12 +208,15 @@ class Keys:
             "events": self.events,
             "control": self.control,
             "rewards": self.rewards,
+            "resources": self.resources,
+            "optimizer:calls": self.optimizer_calls,
         }
 
-    def groups_of(self, stream: str) -> tuple[str, ...]:
-        """Consumer groups that must exist on `stream` before anyone trims it."""
+    def groups_of(self, stream: str, roles: Sequence[str] = ("policy",)) -> tuple[str, ...]:
+        """Consumer groups that must exist on `stream` before anyone trims it (`roles`: the
+        run's trained roles, each with its own trainer group)."""
         if stream == self.tasks:
             return (GROUP_RUNNERS,)
         if stream == self.trajectories:
-            return (GROUP_TRAINER, GROUP_SCHEDULER)
+            return (*(trainer_group(role) for role in roles), GROUP_SCHEDULER)
         return ()

@@ -69,6 +69,8 @@ class FilterReason(StrEnum):
     NO_TRAINED_TURNS = "no_trained_turns"  # no turn recorded by the trained policy
     NO_TRAINED_TOKENS = "no_trained_tokens"  # every token masked out
     NO_TURNS_IN_CAP = "no_turns_in_cap"  # every trained turn dropped by the trainer's transition caps
+    SFT_BELOW_THRESHOLD = "sft_below_threshold"  # trainer.sft = "only": reward below sft_threshold
+    SFT_DUPLICATE = "sft_duplicate"  # SFT: the same trained tokens were already chosen
     # A failed/timeout/cancelled member: consumed by the trainer, but its ledger state stays
     # the scheduler's (retry or dead-letter), so these reasons never become a state.
     FAILED = "failed"

@@ -117,25 +117,39 @@ class NodeVersion:
     node: str  # inference node name
     version: int
     behind: int | None  # trainer version minus this one (None: no trainer version yet)
+    role: str = "policy"  # the trained role whose adapter this is ([roles] runs: one entry per role)
 
 
 @dataclass(frozen=True)
 class VersionsState:
     raw: dict[str, int]  # the `versions` hash: `trainer`, `inference:<node>` -> version
+    # ([roles] runs: `trainer:<role>`, `inference:<node>:<role>`, shared.roles)
 
     @property
     def trainer(self) -> int | None:
         return self.raw.get("trainer")
 
     @property
+    def roles(self) -> dict[str, int]:
+        """Each trained role's published version ([roles] runs; {} for the single policy)."""
+        return {
+            name.split(":", 1)[1]: v for name, v in sorted(self.raw.items()) if name.startswith("trainer:")
+        }
+
+    @property
     def nodes(self) -> list[NodeVersion]:
         out = []
+        roles = self.roles
         for name, version in sorted(self.raw.items()):
-            if name == "trainer":
+            if name == "trainer" or name.startswith("trainer:"):
                 continue
             node = name.split(":", 1)[1] if name.startswith("inference:") else name
-            behind = self.trainer - version if self.trainer is not None else None
-            out.append(NodeVersion(node, version, behind))
+            role = "policy"
+            if name.startswith("inference:") and node.rpartition(":")[2] in roles:
+                node, _, role = node.rpartition(":")
+            trainer = roles.get(role) if role != "policy" else self.trainer
+            behind = trainer - version if trainer is not None else None
+            out.append(NodeVersion(node, version, behind, role))
         return out
 
     @property
@@ -184,6 +198,10 @@ class RunSnapshot:
     end: dataend.DataEnd | None = None  # the end-of-data handshake (None: not read)
     skipped: dict[str, int] = field(default_factory=dict)  # part -> malformed entries left out
     warnings: list[RunWarning] = field(default_factory=list)  # oldest first
+    # [roles] runs: role -> (its train points, its val points); the lists above are the attempts'
+    role_rewards: dict[str, tuple[list[schemas.RewardPoint], list[schemas.RewardPoint]]] = field(
+        default_factory=dict
+    )
 
     @property
     def groups(self) -> list[GroupState]:
@@ -284,9 +302,14 @@ def decode_entry(fields: dict[Any, Any], kind: type[schemas.Message]) -> Any:
 
 
 def read_rewards(
-    r: redis.Redis, keys: Keys, count: int | None, skipped: dict[str, int]
+    r: redis.Redis,
+    keys: Keys,
+    count: int | None,
+    skipped: dict[str, int],
+    by_role: dict[str, tuple[list[schemas.RewardPoint], list[schemas.RewardPoint]]] | None = None,
 ) -> tuple[list[schemas.RewardPoint], list[schemas.RewardPoint]]:
-    """RewardPoint messages of the newest `count` entries (None: all) as (train, val)."""
+    """RewardPoint messages of the newest `count` entries (None: all) as (train, val); a
+    role's own points ([roles] runs) go to `by_role` instead (left out when it is None)."""
     train: list[schemas.RewardPoint] = []
     val: list[schemas.RewardPoint] = []
     for _, fields in _newest(r, keys.rewards, count):
@@ -294,8 +317,14 @@ def read_rewards(
         if point is None:
             _count(skipped, "rewards")
             continue
-        if math.isfinite(point.mean):
-            (val if point.mode == "val" else train).append(point)
+        if not math.isfinite(point.mean):
+            continue
+        if point.role:
+            if by_role is not None:
+                role_train, role_val = by_role.setdefault(point.role, ([], []))
+                (role_val if point.mode == "val" else role_train).append(point)
+            continue
+        (val if point.mode == "val" else train).append(point)
     return train, val
 
 
@@ -339,7 +368,8 @@ def read_snapshot(
     `recent`: dead letters and events listed."""
     now = time.time()
     skipped: dict[str, int] = {}
-    train, val = read_rewards(r, keys, rewards, skipped)
+    by_role: dict[str, tuple[list[schemas.RewardPoint], list[schemas.RewardPoint]]] = {}
+    train, val = read_rewards(r, keys, rewards, skipped, by_role)
     return RunSnapshot(
         run=keys.run,
         time=now,
@@ -357,4 +387,5 @@ def read_snapshot(
         end=dataend.read(r, keys),
         warnings=read_warnings(r, keys, skipped),
         skipped=skipped,
+        role_rewards=by_role,
     )

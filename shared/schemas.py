@@ -85,6 +85,10 @@ class Task(Message, kw_only=True, tag="task"):
     epoch: int = 0  # dataset epoch the sample came from
     created_at: float = msgspec.field(default_factory=time.time)  # unix time of dispatch
     not_before: float = 0.0  # unix time before which no runner starts it (an infrastructure retry's backoff)
+    resources: dict[str, int] = {}  # resource name -> version pinned at dispatch (shared/resources.py)
+    # Seconds the attempt may run from the moment a runner starts it (scheduler.attempt_timeout_s);
+    # 0: it must finish by `deadline`. With it, `deadline` only bounds the wait in the queue.
+    run_timeout_s: float = 0.0
 
     def validate(self) -> None:
         super().validate()
@@ -94,6 +98,8 @@ class Task(Message, kw_only=True, tag="task"):
             raise SchemaError(f"task {self.task_id}: attempt and min_version must be >= 0")
         if not math.isfinite(self.deadline):
             raise SchemaError(f"task {self.task_id}: deadline must be a finite unix time")
+        if not (math.isfinite(self.run_timeout_s) and self.run_timeout_s >= 0):
+            raise SchemaError(f"task {self.task_id}: run_timeout_s must be a finite number >= 0")
 
     @property
     def key(self) -> str:
@@ -118,6 +124,11 @@ class Turn(msgspec.Struct, kw_only=True):
     # token; False: it does not (the client rewrote or re-rendered its history; counted by the
     # gateway as a continuity break); None: no previous trained call of this agent to compare.
     extends: bool | None = None
+    role: str = "policy"  # the trained role whose adapter served the call (shared.roleplan); trains only it
+    # The sum of the rewards the agent emitted after this call and before its next one
+    # (llm.emit_reward, or POST /a/TOKEN/reward for command agents); None: none emitted. The
+    # attempt's `reward` includes them (trainer/advantages.py, turn-level estimators).
+    reward: float | None = None
 
     @property
     def prompt_tokens(self) -> np.ndarray:
@@ -146,6 +157,8 @@ class Turn(msgspec.Struct, kw_only=True):
             raise SchemaError(f"{where}: {n_ids} response ids but {logprobs.size} logprobs")
         if logprobs.size and not bool(np.isfinite(logprobs).all()):
             raise SchemaError(f"{where}: response_logprobs holds NaN or infinity")
+        if self.reward is not None and not math.isfinite(self.reward):
+            raise SchemaError(f"{where}: reward is {self.reward}, must be a finite number")
 
 
 class Trajectory(Message, kw_only=True, tag="trajectory"):
@@ -167,7 +180,11 @@ class Trajectory(Message, kw_only=True, tag="trajectory"):
     min_version: int = 0  # copied from the Task
     final_answer: str | None = None  # the agent's last assistant message, for reward functions
     infra: str = ""  # why no policy node answered, when that failed the attempt (INFRA_REASONS); "" otherwise
+    resources: dict[str, int] = {}  # the resource versions the agent was handed (copied from the Task)
     finished_at: float = msgspec.field(default_factory=time.time)
+    # Several trained roles: each role's reward for this attempt (its seats' sample trains with
+    # it); empty: every role takes `reward`.
+    role_rewards: dict[str, float] = {}
 
     @property
     def key(self) -> str:
@@ -180,6 +197,9 @@ class Trajectory(Message, kw_only=True, tag="trajectory"):
             raise SchemaError(f"{where}: reward is {self.reward}, must be a finite number")
         if self.status == "ok" and self.reward is None:
             raise SchemaError(f"{where}: status ok but no reward")
+        for role, value in self.role_rewards.items():
+            if not math.isfinite(value):
+                raise SchemaError(f"{where}: role_rewards[{role!r}] is {value}, must be a finite number")
         for i, turn in enumerate(self.turns):
             turn.validate(f"{where} turn {i}")
 
@@ -193,6 +213,7 @@ class WeightVersion(Message, kw_only=True, tag="weights"):
     checksum: str  # sha256 hex of the file at `location` (sharded: of the folder's index file)
     format: str = "safetensors"  # safetensors (one file) | safetensors-sharded (shared.weightfiles)
     created_at: float = msgspec.field(default_factory=time.time)
+    role: str = "policy"  # which trained role's weights (shared.roles); versions count per role
 
 
 class WeightApplied(Message, kw_only=True, tag="weights_applied"):
@@ -202,6 +223,23 @@ class WeightApplied(Message, kw_only=True, tag="weights_applied"):
     version: int
     load_s: float  # seconds from reading the WeightVersion to serving it
     applied_at: float = msgspec.field(default_factory=time.time)
+    role: str = "policy"  # the role whose version this is (shared.roles)
+
+
+class ResourceVersion(Message, kw_only=True, tag="resource"):
+    """A version of a named text artifact agents read (shared/resources.py)."""
+
+    name: str  # e.g. system_prompt
+    version: int  # per name, from 1; candidates take numbers too
+    generation: int  # promotions to current of this name up to this one; -1 for a candidate
+    checksum: str  # sha256 hex of the text
+    size: int  # bytes of the text
+    content: str = ""  # the text, when inline
+    location: str = ""  # a file holding the text, when too big to carry inline
+    current: bool = True  # False: a candidate (e.g. APO's), handed only to tasks that pin it
+    source: str = ""  # who published it: config | optimizer:apo | a person
+    note: str = ""  # why (e.g. the critique that produced it), for people
+    created_at: float = msgspec.field(default_factory=time.time)
 
 
 class Control(Message, kw_only=True, tag="control"):
@@ -218,6 +256,7 @@ class Metrics(Message, kw_only=True, tag="metrics"):
     version: int  # weight version produced by this step
     values: dict[str, float]  # metric name -> value
     time: float = msgspec.field(default_factory=time.time)
+    role: str = "policy"  # the trained role this step updated (shared.roles)
 
 
 class Event(Message, kw_only=True, tag="event"):
@@ -241,9 +280,10 @@ class RewardPoint(Message, kw_only=True, tag="reward"):
     count: int  # ok attempts in the mean
     group_id: str  # the train group, or `round<N>` for validation round N
     time: float = msgspec.field(default_factory=time.time)
+    role: str = ""  # "": the attempts' reward; a role's name: that role's own rewards ([roles] runs)
 
 
-ServiceName = Literal["scheduler", "runner", "trainer", "inference", "worker", "monitor"]
+ServiceName = Literal["scheduler", "runner", "trainer", "inference", "worker", "monitor", "optimizer"]
 
 
 class Heartbeat(Message, kw_only=True, tag="heartbeat"):
@@ -313,9 +353,10 @@ def decode_heartbeat(field: bytes | str, raw: bytes | str, run: str) -> Heartbea
 AnyMessage = (
     Task | Trajectory | WeightVersion | WeightApplied | Control | Metrics | Event | RewardPoint | Heartbeat
 )
+AnyKnownMessage = AnyMessage | ResourceVersion  # what `decode` without a kind accepts
 
 _encoder = msgspec.msgpack.Encoder()
-_any_decoder = msgspec.msgpack.Decoder(AnyMessage)
+_any_decoder = msgspec.msgpack.Decoder(AnyKnownMessage)
 _decoders: dict[type, msgspec.msgpack.Decoder] = {}
 
 

@@ -79,3 +79,28 @@ def need_verl() -> None:
         installed("verl"),
         "verl is not installed here (make test-verl runs these tests in .venv-verl)",
     )
+
+
+def trl_python() -> str:
+    """The TRL venv's python that benchmarks/race.py starts its TRL contender with."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    return os.environ.get("SQUALL_TRL_PYTHON") or str(root / ".venv-trl" / "bin" / "python")
+
+
+def need_trl() -> str:
+    """The race harness's TRL contender: it runs in `make trl-venv`'s virtualenv (TRL pins packages
+    of its own); `make test-race` builds it and runs these tests. Returns that venv's python."""
+    import subprocess
+
+    python = trl_python()
+    available = os.path.isfile(python) and (
+        subprocess.run([python, "-c", "import trl"], capture_output=True, timeout=120).returncode == 0
+    )
+    need(
+        "race",
+        available,
+        f"{python} cannot import trl (make test-race builds .venv-trl and runs these tests)",
+    )
+    return python

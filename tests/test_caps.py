@@ -6,8 +6,6 @@ trainer on a real Redis, asserting on the batch its backend got."""
 from __future__ import annotations
 
 import random
-import threading
-import time
 from collections import Counter
 
 import msgspec
@@ -136,7 +134,7 @@ def test_a_group_built_to_exceed_each_cap(tmp_path):
 @pytest.mark.redis
 @pytest.mark.slow
 def test_the_trainer_drops_counts_and_ledgers_capped_turns(tmp_path, r, redis_url, run_name):
-    from test_trainer_loop import retag
+    from test_trainer_loop import retag, run_until_step
 
     from squall.trainer.trainer import Trainer
 
@@ -162,17 +160,7 @@ def test_the_trainer_drops_counts_and_ledgers_capped_turns(tmp_path, r, redis_ur
     members = [retag(_member(model, i, float(i % 2)), run_name) for i in range(3)]
     members.append(retag(_member(model, 3, 1.0, long_prompt=True), run_name))
     bus.publish_many(r, keys.trajectories, members)
-
-    def stop_after_one_step():
-        deadline = time.monotonic() + 60
-        while trainer.state.step < 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        trainer.request_stop()
-
-    helper = threading.Thread(target=stop_after_one_step)
-    helper.start()
-    assert trainer.run() == 0
-    helper.join()
+    run_until_step(trainer, 1)
 
     ledger = Ledger(r, keys)
     assert [ledger.state_of(t.key) for t in members] == ["trained"] * 3 + ["filtered:no_turns_in_cap"]

@@ -182,7 +182,8 @@ def test_compose_file_matches_the_compose_spec_schema(tmp_path):
 
 
 def test_compose_brings_up_redis_with_aof_and_acls_and_every_service():
-    services = _compose()["services"]
+    compose = _compose()
+    services = compose["services"]
     assert set(services) == {"redis", "scheduler", "runner", "trainer", "inference", "dashboard", "worker"}
     redis_cmd = services["redis"]["command"]
     assert redis_cmd[redis_cmd.index("--appendonly") + 1] == "yes"
@@ -197,8 +198,13 @@ def test_compose_brings_up_redis_with_aof_and_acls_and_every_service():
         assert service["depends_on"]["redis"]["condition"] == "service_healthy", name
         assert service["stop_signal"] == "SIGTERM" and service["restart"] == "on-failure", name
         assert "no-new-privileges:true" in service["security_opt"] and service["cap_drop"] == ["ALL"], name
-        creds = [Path(f).stem for f in service["env_file"] if f.startswith("./secrets/")]
-        assert len(creds) == 1 and creds[0] in acl.SERVICES, name  # files `squall acl` writes
+        # Credentials as a mounted file (a compose secret `squall acl` wrote), none in the environment.
+        assert not any(f.startswith("./secrets/") for f in service.get("env_file", [])), name
+        assert service["environment"]["SQUALL_RUN__REDIS_URL_FILE"] == "/run/secrets/redis_url", name
+        (secret,) = service["secrets"]
+        assert secret["target"] == "redis_url", name
+        assert compose["secrets"][secret["source"]]["file"] == f"./secrets/{secret['source']}.url", name
+        assert secret["source"] in acl.SERVICES, name
         assert "./run.toml:/etc/squall/run.toml:ro" in service["volumes"], name
     runner = services["runner"]
     assert "container_name" not in runner and "ports" not in runner  # so --scale runner=N works
@@ -217,8 +223,12 @@ def test_containerfiles_build_what_compose_expects():
     assert built == {"deploy/containers/Containerfile.cpu", "deploy/containers/Containerfile.gpu"}
     cpu = (CONTAINERS / "Containerfile.cpu").read_text()
     gpu = (CONTAINERS / "Containerfile.gpu").read_text()
-    assert "slim" in cpu.split("FROM", 2)[2] and "torch" not in cpu.replace("No torch", "")
-    assert re.search(r"FROM nvidia/cuda:\S+-runtime-", gpu) and "gpu]" in gpu
+    # The CPU image's base is an argument (a local base where no registry answers), the public
+    # slim image by default; torch is its CPU build. The GPU image keeps verl and vLLM in venvs
+    # of their own, as the Makefile does.
+    assert re.search(r"^ARG BASE=python:3\.11-slim-bookworm$", cpu, flags=re.M) and "FROM ${BASE}" in cpu
+    assert re.search(r"^ARG CUDA_BASE=nvidia/cuda:\S+-runtime-", gpu, flags=re.M)
+    assert "/opt/squall/venv-verl/bin/pip install" in gpu and "/opt/squall/venv-vllm/bin/pip install" in gpu
     for text in (cpu, gpu):
         assert "USER squall" in text and 'ENTRYPOINT ["squall"]' in text
         for copied in re.findall(r"^COPY (?!--from)(\S+)", text, flags=re.M):

@@ -30,6 +30,7 @@ from inference_helpers import (
     API_KEY,
     CALC_TOOL,
     CHAT_MESSAGES,
+    LOGPROB_TOLERANCE,
     TOOL_ANSWER,
     TOOL_ARGS,
     TOOL_QUESTION,
@@ -414,3 +415,60 @@ def test_lora_adapters_are_served_and_replace_each_other(lora_node, taught_dir, 
         base = recompute_logprobs(base_model, prompt_ids, ids)
         assert max(abs(a - b) for a, b in zip(logprobs, base, strict=True)) > 0.05  # the adapter matters
         assert_version_everywhere(lora_node, r, name, version, key="inference:lora")
+
+
+def test_roles_adapters_an_older_version_and_the_base_share_batches(
+    lora_node, taught_dir, lora_run, tmp_path
+):
+    """Runs after the LoRA test (policy at v2, v1 still on disk): two roles' adapters are
+    published; requests for each role, the policy, policy@1 and the base (policy@0), sent at
+    once, each get the logprobs of their own adapter alone (issue 22)."""
+    from inference_helpers import load_model
+
+    settings, r = lora_run
+    name = settings["name"]
+    base_model = load_model(taught_dir)
+    expected = {"policy@0": (base_model, 0)}
+    for version, seed in ((1, 11), (2, 22)):  # the policy versions the test above published
+        folder = tmp_path / f"v{version:06d}"
+        checksum, model = random_adapter(base_model, folder, version=version, seed=seed)
+        publish(r, name, version, folder, checksum, format="lora")
+        expected[f"policy@{version}"] = (model, version)
+    wait_for(lambda: health(lora_node)["weight_version"] == 2, RELOAD_S, "policy v2")
+    expected["policy"] = expected["policy@2"]
+    for role, seed in (("wolves", 33), ("villagers", 44)):
+        folder = tmp_path / role / "v000001"
+        checksum, model = random_adapter(base_model, folder, version=1, seed=seed)
+        publish(r, name, 1, folder, checksum, format="lora", role=role)
+        expected[role] = (model, 1)
+    for role in ("wolves", "villagers"):
+        wait_for(
+            lambda role=role: r.hget(Keys(name).versions, f"inference:lora:{role}") == b"1", RELOAD_S, role
+        )
+
+    def ask(model_name):
+        reply = lora_node.client().chat.completions.create(
+            model=model_name, messages=MESSAGES, max_tokens=8, temperature=0, logprobs=True,
+            extra_body={"return_token_ids": True, "ignore_eos": True},
+        )  # fmt: skip
+        c = reply.choices[0]
+        logprobs = [e.logprob for e in c.logprobs.content]
+        return (
+            reply.model_extra["weight_version"],
+            c.model_extra["prompt_token_ids"],
+            c.model_extra["token_ids"],
+            logprobs,
+        )
+
+    names = ["wolves", "villagers", "policy", "policy@1", "policy@0"]
+    with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
+        replies = list(pool.map(ask, names))
+    for model_name, (version, prompt_ids, ids, logprobs) in zip(names, replies, strict=True):
+        assert version == expected[model_name][1], model_name
+        gaps = {  # the reply against every candidate: it must be its own model's, and only that
+            name: max(
+                abs(a - b) for a, b in zip(logprobs, recompute_logprobs(model, prompt_ids, ids), strict=True)
+            )
+            for name, (model, _) in expected.items()
+        }
+        assert gaps[model_name] < LOGPROB_TOLERANCE, (model_name, gaps)

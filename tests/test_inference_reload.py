@@ -208,3 +208,47 @@ def test_a_node_exits_non_zero_naming_the_url_when_redis_stays_away(tiny_dir, ru
     finally:
         procs.stop_all()
         server.close()
+
+
+@pytest.mark.parametrize("swap", ["overlap", "drain"])
+def test_a_new_version_serves_new_requests_while_old_ones_finish(
+    tiny_dir, models, r, redis_url, run_name, tmp_path, swap
+):
+    """inference.swap=overlap: the first answer on version 1 comes while a long generation
+    admitted on version 0 is still running (and that one stays all version 0); with drain it
+    comes only after that generation finished: the stall overlap removes."""
+    import time
+
+    node = NodeThread(tiny_dir, follow_weights=True, node="n1", swap=swap,
+                      run={"name": run_name, "redis_url": redis_url, "autostart_redis": False}).start()  # fmt: skip
+    try:
+        client = node.client()
+        finished: dict[str, float] = {}
+
+        def long_generation():
+            response = client.chat.completions.create(
+                model="policy", messages=MESSAGES, max_tokens=900, n=8, extra_body={"ignore_eos": True}
+            )
+            finished["long"] = time.monotonic()
+            return response.model_extra["weight_version"]
+
+        def first_answer_on_version_1():
+            while True:
+                response = client.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=2)
+                if response.model_extra["weight_version"] == 1:
+                    finished["new"] = time.monotonic()
+                    return
+
+        location, checksum = write_weights(tmp_path, 1, models[1])
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            long = pool.submit(long_generation)
+            wait_for(lambda: running_sequences(node) > 0, 20, "the long generation running")
+            publish(r, run_name, 1, location, checksum)
+            pool.submit(first_answer_on_version_1).result(timeout=120)
+            assert long.result(timeout=120) == 0
+        if swap == "overlap":
+            assert finished["new"] < finished["long"], finished
+        else:
+            assert finished["new"] > finished["long"], finished
+    finally:
+        node.stop()

@@ -39,14 +39,22 @@ def parse_fields(text: str) -> dict[str, dict[str, tuple[bool, str]]]:
     return sections
 
 
+def _table_sections() -> dict[str, type]:
+    """RunConfig's sections that are one table each (not maps of named tables like [roles.NAME])."""
+    return {
+        name: info.annotation
+        for name, info in RunConfig.model_fields.items()
+        if isinstance(info.annotation, type)
+    }
+
+
 def test_run_file_lists_every_section_and_field_with_its_docstring(tmp_path):
     values = init.run_values("r1", "/models/p")
     text = init.render_run_file(values, init.HEADER)
     fields = parse_fields(text)
     assert list(fields) == list(RunConfig.model_fields)
     lines = text.splitlines()
-    for section, info in RunConfig.model_fields.items():
-        model = info.annotation
+    for section, model in _table_sections().items():
         assert set(fields[section]) == set(model.model_fields), section
         docs = init.field_docs(model)
         for name in model.model_fields:
@@ -72,7 +80,7 @@ def test_commented_defaults_parse_back_to_the_defaults():
     assert set(parsed) == set(RunConfig.model_fields)
     assert RunConfig.model_validate(parsed) == RunConfig()
     assert sum(len(section) for section in parsed.values()) == sum(
-        len(info.annotation.model_fields) for info in RunConfig.model_fields.values()
+        len(model.model_fields) for model in _table_sections().values()
     )
 
 
@@ -175,5 +183,7 @@ def test_init_with_a_real_model_picks_settings_from_it(tmp_path, real_model):
     config = load_config(str(run_file), env={})
     assert config.trainer.lr == 2e-6 and config.trainer.gradient_checkpointing
     assert config.inference.max_model_len == 4096 == config.trainer.max_seq_len  # 8192 capped
-    assert config.scheduler.task_timeout_s == 600.0
+    # the attempt's deadline counts from its start, not from dispatch; dispatch only bounds queueing
+    assert config.scheduler.attempt_timeout_s == 300.0 and config.scheduler.task_timeout_s == 1800.0
+    assert (config.trainer.checkpoint_every, config.trainer.checkpoint_every_s) == (4, 300.0)
     assert init.model_settings(init.demo_policy()) == {}  # the tiny policy keeps the demo's settings

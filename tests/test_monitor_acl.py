@@ -21,7 +21,7 @@ from redis.retry import Retry
 from squall.monitor import acl
 from squall.monitor.snapshot_json import snapshot
 from squall.monitor.stalls import Thresholds, detect
-from squall.shared import bus, dataend, schemas
+from squall.shared import bus, dataend, resources, schemas
 from squall.shared.heartbeat import read_heartbeats
 from squall.shared.keys import GROUP_RUNNERS, GROUP_SCHEDULER, GROUP_TRAINER, Keys
 from squall.shared.ledger import Ledger
@@ -415,6 +415,8 @@ def test_acl_command_writes_usable_files_for_tls(tmp_path):
     assert url.startswith("rediss://squall-runner:") and url.endswith("@redis.internal:6380/0")
     assert _env(written["runner"])["SQUALL_RUN__NAME"] == "demo"
     assert os.stat(written["acl"]).st_mode & 0o077 == 0
+    assert written["runner.url"].read_text() == url + "\n"  # what SQUALL_RUN__REDIS_URL_FILE reads
+    assert os.stat(written["runner.url"]).st_mode & 0o077 == 0
 
 
 @pytest.mark.parametrize("xdg", [True, False])
@@ -441,7 +443,8 @@ def test_default_out_is_outside_the_checkout_and_private(tmp_path, xdg):
     assert str(want) in done.stderr
     assert stat.S_IMODE(want.stat().st_mode) == 0o700
     files = sorted(p.name for p in want.iterdir())
-    assert files == sorted([acl.ACL_FILE, *(f"{name}.env" for name in (*acl.SERVICES, acl.ADMIN_USER))])
+    users = (*acl.SERVICES, acl.ADMIN_USER)
+    assert files == sorted([acl.ACL_FILE, *(f"{u}.env" for u in users), *(f"{u}.url" for u in users)])
     for path in want.iterdir():
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
     assert not (repo / "deploy" / "secrets").exists() or not any((repo / "deploy" / "secrets").iterdir())
@@ -476,3 +479,25 @@ def test_only_the_trainer_appends_to_weights(users, user):
     assert users["admin"].xlen(K.weights) == 1
     found = weightstream.newest_valid(users["admin"], K.weights, "test")
     assert found.version is not None and found.version.version == 3 and found.skipped == 0
+
+
+def test_resources_and_the_optimizer_work_as_their_users(users):
+    """The scheduler publishes the run file's resources, a runner reads a pinned version, the
+    optimiser publishes a candidate, reads its group and checkpoints; a runner may not publish."""
+    assert resources.publish_initial(users["scheduler"], K, {"system_prompt": "be brief"}, source="config")
+    assert resources.current_pins(users["scheduler"], K)["system_prompt"][0] >= 1
+    assert resources.ResourceCache(users["runner"], K).texts_for({"system_prompt": 1}) == {
+        "system_prompt": "be brief"
+    }
+    opt = users["optimizer"]
+    candidate = resources.publish(
+        opt, K, "system_prompt", "be briefer", current=False, source="optimizer:apo"
+    )
+    consumer = bus.GroupConsumer(opt, K.trajectories, "optimizer", "optimizer", kind=schemas.Trajectory,
+                                 deadletter_stream=K.deadletter)  # fmt: skip
+    consumer.read(10, block_ms=10)
+    opt.hset(K.optimizer_state, "state", "{}")
+    bus.publish(opt, K.optimizer_calls, schemas.Event(run=RUN, service="optimizer", name="editor_call"))
+    assert users["admin"].hexists(K.resources_versions, f"system_prompt@{candidate.version}")
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        resources.publish(users["runner"], K, "system_prompt", "forged")

@@ -269,3 +269,40 @@ def test_dashboard_in_headless_chromium_follows_a_live_run(r, redis_url, run_nam
     finally:
         _stop(proc)
     assert (ARTIFACTS / "dashboard.png").stat().st_size > 10_000
+
+
+def test_dashboard_draws_each_roles_curve_and_versions(r, redis_url, run_name):
+    """A [roles] run: the page draws one validation curve per role and a table of each role's
+    version, the nodes serving it (and how far behind) and its last validation reward."""
+    need("browser", CHROMIUM is not None, "chromium is not installed (apt-get install chromium)")
+    need("browser", installed("playwright"), "playwright is not installed (pip install playwright)")
+    from playwright import sync_api
+
+    run = SyntheticRun(r, run_name)
+    run.step()
+    for role, means in {"villagers": [0.4, 0.6, 0.9], "wolves": [0.6, 0.7]}.items():
+        for version, mean in enumerate(means):
+            bus.publish(r, run.keys.rewards, schemas.RewardPoint(
+                run=run_name, version=version, mode="val", mean=mean, count=16,
+                group_id=f"round{version}", role=role))  # fmt: skip
+        r.hset(
+            run.keys.versions,
+            mapping={f"trainer:{role}": len(means), f"inference:node-a:{role}": len(means) - 1},
+        )
+    port = free_port()
+    proc = _start_dashboard(redis_url, run_name, port)
+    try:
+        with sync_api.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS)
+            page = browser.new_page(viewport={"width": 1400, "height": 1100})
+            page.goto(f"http://127.0.0.1:{port}/")
+            page.wait_for_function("document.querySelector('[data-testid=roles]') !== null", timeout=10_000)
+            assert page.locator("#reward-chart path.series-role-villagers").count() == 1
+            assert page.locator("#reward-chart circle.pt-role-villagers").count() == 3
+            assert page.locator("#reward-chart circle.pt-role-wolves").count() == 2
+            rows = page.inner_text("[data-testid=roles]")
+            assert "villagers\tv3\tnode-a v2 (1 behind)\t0.9" in rows, rows
+            assert "wolves\tv2\tnode-a v1 (1 behind)\t0.7" in rows, rows
+            browser.close()
+    finally:
+        _stop(proc)

@@ -293,3 +293,24 @@ def test_a_time_limited_run_says_how_far_the_trainer_got():
     summary["val_reward_end_version"] = 4
     assert measured_word(summary) == "(version 4, the trainer's newest when the run stopped)"
     assert "did not report" in measured_word({"val_reward_end_version": 0, "trainer_last_version": None})
+
+
+def test_progress_line_generated_tokens_per_second_comes_from_the_nodes_heartbeats(r, run_name):
+    """`squall up`'s generated_tok/s: the inference nodes' sampled-token counts (their
+    heartbeats) between two progress lines; none before the second line or after a node restart."""
+    from squall.local.progress import GenerationRate, sampled_tokens, snapshot
+
+    keys = Keys(run_name)
+    nodes = [HeartbeatWriter(r, keys, "inference", name) for name in ("n0", "n1")]
+    trainer = HeartbeatWriter(r, keys, "trainer", "t0")
+    trainer.beat(force=True, version=1, sampled_tokens=999.0)  # not a node: never counted
+    for node, tokens in zip(nodes, (100.0, 50.0), strict=True):
+        node.beat(force=True, version=1, sampled_tokens=tokens)
+    rate = GenerationRate()
+    assert sampled_tokens(snapshot(r, keys)) == 150
+    assert rate.update(10.0, sampled_tokens(snapshot(r, keys))) is None  # first line: no interval yet
+    for node, tokens in zip(nodes, (400.0, 150.0), strict=True):
+        node.beat(force=True, version=1, sampled_tokens=tokens)
+    assert rate.update(15.0, sampled_tokens(snapshot(r, keys))) == pytest.approx(80.0)  # (550 - 150) / 5 s
+    nodes[0].beat(force=True, version=1, sampled_tokens=10.0)  # n0 restarted: its count began again
+    assert rate.update(20.0, sampled_tokens(snapshot(r, keys))) is None

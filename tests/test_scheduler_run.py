@@ -118,17 +118,18 @@ def test_failures_are_retried_per_member_then_deadlettered(r, redis_url, run_nam
     for t in trajectories(r, run_name):
         by_sample.setdefault(t.sample_id, []).append(t)
     assert [(t.status, t.reward) for t in by_sample["ok"]] == [("ok", 1.0)]
-    assert [(t.status, t.reward) for t in by_sample["emit"]] == [("ok", 0.5)]
+    # emit_reward attaches to the call it follows: this agent made none (turn_rewards.py)
     expected = {"raise": ("failed", "agent exploded"), "hang": ("timeout", "deadline"),
-                "nan": ("failed", "reward is nan"), "none": ("failed", "no reward")}  # fmt: skip
+                "nan": ("failed", "reward is nan"), "none": ("failed", "no reward"),
+                "emit": ("failed", "llm.emit_reward(0.5) before any model call")}  # fmt: skip
     for sample, (status, text) in expected.items():
         got = by_sample[sample]
         assert [t.attempt for t in got] == [0, 1], sample  # one retry, then no more
         assert all(t.status == status and t.reward is None and text in t.error for t in got), (sample, got)
     counts = Ledger(r, Keys(run_name)).counts()
-    assert counts == {"dispatched": 10, "ok": 2, "retried": 4, "deadlettered": 4}
+    assert counts == {"dispatched": 11, "ok": 1, "retried": 5, "deadlettered": 5}
     dead = r.xrange(Keys(run_name).deadletter)
-    assert len(dead) == 4 and all(b"in all 2 attempts" in f[b"reason"] for _, f in dead)
+    assert len(dead) == 5 and all(b"in all 2 attempts" in f[b"reason"] for _, f in dead)
 
 
 def test_validation_rounds_every_k_versions(r, redis_url, run_name, tmp_path, procs):

@@ -23,6 +23,22 @@ def retag(t: Trajectory, run: str, **changes) -> Trajectory:
     return Trajectory(**{**{f: getattr(t, f) for f in t.__struct_fields__}, "run": run, **changes})
 
 
+def run_until_step(trainer: Trainer, steps: int, timeout_s: float = 60.0) -> None:
+    """Run `trainer` in this thread until it has made `steps` optimizer steps (or `timeout_s`
+    passed), then stop it; asserts it exits 0."""
+
+    def stop_when_done() -> None:
+        deadline = time.monotonic() + timeout_s
+        while trainer.state.step < steps and time.monotonic() < deadline:
+            time.sleep(0.05)
+        trainer.request_stop()
+
+    helper = threading.Thread(target=stop_when_done)
+    helper.start()
+    assert trainer.run() == 0
+    helper.join()
+
+
 def test_deadline_late_val_and_stale(tmp_path, r, redis_url, run_name):
     torch.set_num_threads(1)
     model_path = make_tiny_model(tmp_path / "model")

@@ -3,9 +3,10 @@
     async def agent(task, llm) -> float
 
 Designed for what a 135M model can do (examples/calc_real/README.md has the reasoning):
-- no system prompt of our own: the server writes the tools into the system prompt in the form
-  the model was tuned on (its template has no tool support; docs/inference.md), so the prompt
-  is the model's familiar one plus the question;
+- no system prompt of our own: the run's chat template (examples/calc_real/chat_template.jinja,
+  `inference.chat_template`) is SmolLM2's ChatML plus a short tools block in the
+  `<tool_call>[...]</tool_call>` form the model was tuned on, 140 tokens instead of the server's
+  generic 220-token fallback; one worked exchange (DEMONSTRATION) comes before the question;
 - turn 1 asks for a calculator call (`tool_choice` names it: the server prefills
   `<tool_call>[{"name": "calculator`, and the model writes the arguments itself) and stops at
   `</tool_call>`, so the model does not run on into an invented result;
@@ -33,6 +34,25 @@ FORCE_CALCULATOR = {"type": "function", "function": {"name": "calculator"}}
 CALL_TOKENS = 32  # `", "arguments": {"expression": "37 * 48"}}]` is ~15 tokens
 ANSWER_TOKENS = 32
 RIGHT_CALL_REWARD = 0.5
+# One worked exchange before the question, in the model's own tool format: without it the model
+# copies the tool's schema ("description": ...) into its call instead of arguments (1 call in 16
+# parsed on our probes); with it 9 in 16 parsed and 6 were the right product (README.md).
+DEMONSTRATION: list[dict[str, Any]] = [
+    {"role": "user", "content": "What is 12 * 34?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "demo",
+                "type": "function",
+                "function": {"name": "calculator", "arguments": '{"expression": "12 * 34"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "demo", "content": "408"},
+    {"role": "assistant", "content": "12 * 34 = 408"},
+]
 PARSED_CALL_REWARD = 0.1
 
 
@@ -40,7 +60,7 @@ async def agent(task: dict, llm: Any) -> float:
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key or "none", max_retries=0)
-    messages: list[dict[str, Any]] = [{"role": "user", "content": task["question"]}]
+    messages: list[dict[str, Any]] = [*DEMONSTRATION, {"role": "user", "content": task["question"]}]
     final, results, called = None, [], False
     try:
         first = await client.chat.completions.create(
@@ -62,7 +82,13 @@ async def agent(task: dict, llm: Any) -> float:
         await client.close()
     reward = reward_of(task, called, results, final)
     if os.environ.get("CALC_REAL_LOG"):
-        line = {"id": task["id"], "time": time.time(), "called": called, "reward": reward}
+        line = {
+            "id": task["id"],
+            "time": time.time(),
+            "called": called,
+            "right_call": str(task["answer"]) in results,
+            "reward": reward,
+        }
         with open(os.environ["CALC_REAL_LOG"], "a") as log:
             log.write(json.dumps(line) + "\n")
     return reward

@@ -1,4 +1,5 @@
-"""Per weight version: attempts, tool-call rate, mean reward, solved attempts and the share of
+"""Per weight version: attempts, tool-call rate (calls that parsed), the rate of calls whose result
+was the product, mean reward, solved attempts and the share of
 rewarded attempts that went through the calculator, from the agent's log (CALC_REAL_LOG,
 examples/calc_real/agent.py). The gateway hides weight versions from agents, so an attempt is
 dated: it counts for the newest version the trainer had published when it ended (metrics.jsonl
@@ -29,7 +30,7 @@ def report(run_dir: str) -> str:
     rows = read_jsonl(folder / "agent_log.jsonl")
     steps = sorted((m["time"], m["version"]) for m in read_jsonl(folder / "metrics.jsonl") if "time" in m)
     times = [t for t, _ in steps]
-    lines = ["split version attempts call_rate mean_reward solved rewarded_via_tool"]
+    lines = ["split version attempts call_rate right_call_rate mean_reward solved rewarded_via_tool"]
     for split in ("train", "val"):
         by_version: dict[int, list[dict]] = defaultdict(list)
         for row in rows:
@@ -40,8 +41,9 @@ def report(run_dir: str) -> str:
             n = len(items)
             rewarded = [r for r in items if r["reward"] > 0]
             via = sum(r["called"] for r in rewarded) / len(rewarded) if rewarded else float("nan")
+            right = sum(r.get("right_call", False) for r in items) / n
             lines.append(
-                f"{split} {version} {n} {sum(r['called'] for r in items) / n:.2f} "
+                f"{split} {version} {n} {sum(r['called'] for r in items) / n:.2f} {right:.2f} "
                 f"{sum(r['reward'] for r in items) / n:.3f} {sum(r['reward'] == 1.0 for r in items)} {via:.2f}"
             )
     return "\n".join(lines)

@@ -135,9 +135,32 @@ def render_run_file(values: dict[str, dict[str, Any]], header: str = "") -> str:
     if unknown:
         raise ValueError(f"no section(s) {sorted(unknown)} in RunConfig")
     lines = [*(f"# {line}".rstrip() for line in header.splitlines())] if header else []
+    run_docs = field_docs(RunConfig)
     for name, info in RunConfig.model_fields.items():
+        if typing.get_origin(info.annotation) is dict:  # a table of named entries, e.g. [roles.NAME]
+            entry = typing.get_args(info.annotation)[1]
+            lines += ["", *render_map_section(name, entry, run_docs.get(name, ""), values.get(name, {}))]
+            continue
         lines += ["", *render_section(name, info.annotation, values.get(name, {}))]  # type: ignore[arg-type]
     return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def render_map_section(name: str, entry: type, note: str, values: dict[str, Any]) -> list[str]:
+    """A section of named entries (`[roles.<name>]`): its note, the fields one entry takes (as
+    indented comments, which no one un-comments by accident into a wrong table), then the
+    entries `values` sets, each as its own table."""
+    lines = [*_comment(" ".join(note.split()) or f"The [{name}] tables."), f"[{name}]"]
+    lines.append(f"# One entry: [{name}.<name>] with")
+    docs = field_docs(entry)
+    for field, info in entry.model_fields.items():  # type: ignore[attr-defined]
+        kind = field_kind(info)
+        text = f"{field}: " + docs.get(field, "(undocumented)") + (f" ({kind})" if kind else "")
+        lines += textwrap.wrap(
+            text, WRAP, initial_indent="#   ", subsequent_indent="#     ", break_on_hyphens=False
+        )
+    for key, fields in values.items():
+        lines += [f"[{name}.{key}]", *(f"{field} = {toml_value(value)}" for field, value in fields.items())]
+    return lines
 
 
 # --- the scaffold ---------------------------------------------------------------------------
@@ -195,8 +218,10 @@ def model_settings(model_dir: Path) -> dict[str, dict[str, Any]]:
     """Settings read from the model folder that replace the tiny-policy defaults of `run_values`
     when the model is a real one: a small learning rate for full-weight RL on pretrained weights,
     the context from the model (capped at 4096 tokens, what a CPU run can afford), gradient
-    checkpointing and a 2048-token micro-batch, and task deadlines that leave room for queueing
-    behind other attempts on one slow node (scheduler.task_timeout_s counts from dispatch)."""
+    checkpointing and a 2048-token micro-batch, a model checkpoint every 4 steps or 5 minutes
+    (not every step: 1.6 GB for 135M parameters), and an attempt deadline that starts when a
+    runner starts the attempt (scheduler.attempt_timeout_s), so queueing behind other attempts
+    on one slow node does not count; task_timeout_s then only bounds that queueing."""
     config_file = model_dir / "config.json"
     if not config_file.is_file():
         return {}
@@ -207,9 +232,11 @@ def model_settings(model_dir: Path) -> dict[str, dict[str, Any]]:
     context = min(int(config.get("max_position_embeddings") or 2048), 4096)
     lr = 2e-6 if params < 1_000_000_000 else 1e-6
     return {
-        "scheduler": {"task_timeout_s": 600.0, "max_inflight_groups": 4},
+        "scheduler": {"task_timeout_s": 1800.0, "attempt_timeout_s": 300.0, "max_inflight_groups": 4},
         "trainer": {
             "lr": lr,
+            "checkpoint_every": 4,
+            "checkpoint_every_s": 300.0,
             "gradient_checkpointing": True,
             "max_tokens_per_microbatch": 2048,
             "max_seq_len": context,

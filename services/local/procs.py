@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,3 +65,19 @@ def stop_all(processes: list[ServiceProcess], grace_s: float) -> dict[str, int |
     started = {proc.name: proc.process for proc in processes if proc.process is not None}
     codes = dict(zip(started, stop(list(started.values()), grace_s), strict=True))
     return {proc.name: codes.get(proc.name) for proc in processes}
+
+
+def stop_in_stages(
+    stages: list[list[ServiceProcess]], grace_s: float, deadline_s: float
+) -> dict[str, int | None]:
+    """Stop `stages` one after the other: SIGTERM a stage, wait until all of it has exited (at
+    most `grace_s`, SIGKILL the rest), then the next. Each stage gets `grace_s` but the whole stop
+    ends by `deadline_s`: a later stage gets what is left (at least a second to exit on its own).
+    Draining in order lets runners hand back their work while the inference they wait on still
+    answers, and the trainer checkpoint while Redis and the scheduler are still there."""
+    end = time.monotonic() + deadline_s
+    codes: dict[str, int | None] = {}
+    for stage in stages:
+        left = max(end - time.monotonic(), 1.0)
+        codes.update(stop_all(stage, min(grace_s, left)))
+    return codes

@@ -29,9 +29,48 @@ def render(snap: RunSnapshot) -> dict[str, Any]:
     }
 
 
+def sampled_tokens(snap: dict[str, Any]) -> int:
+    """Tokens the run's inference nodes have generated since they started: the sum of their
+    heartbeats' `sampled_tokens` (an engine that does not count them adds 0)."""
+    return sum(
+        int(p["fields"].get("sampled_tokens") or 0) for p in snap["heartbeats"] if p["service"] == "inference"
+    )
+
+
+class GenerationRate:
+    """Generated tokens per second between two progress lines (None before the second one, or
+    when a node restarted and its count went back)."""
+
+    def __init__(self) -> None:
+        self.last: tuple[float, int] | None = None
+
+    def update(self, now: float, tokens: int) -> float | None:
+        previous, self.last = self.last, (now, tokens)
+        if previous is None or tokens < previous[1] or now <= previous[0]:
+            return None
+        return (tokens - previous[1]) / (now - previous[0])
+
+
 def snapshot(r: redis.Redis, keys: Keys) -> dict[str, Any]:
     """Every reward point (the whole curve) and only the newest metrics message."""
     return render(read_snapshot(r, keys, rewards=None, metrics=1, recent=0))
+
+
+def role_summaries(snap: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """`summary.json`'s `roles`: per trained role, its validation reward at the first and last
+    round, its curves and its last version."""
+    out = {}
+    for name, role in snap["roles"].items():
+        val = role["rewards"]["val"]
+        out[name] = {
+            "val_reward_start": val[0]["mean"] if val else None,
+            "val_reward_end": val[-1]["mean"] if val else None,
+            "val_reward_end_version": val[-1]["version"] if val else None,
+            "last_version": role["version"],
+            "val_curve": val,
+            "train_curve": role["rewards"]["train"],
+        }
+    return out
 
 
 def plot_curve(snap: dict[str, Any], path: Path, title: str = "squall: GRPO") -> Path | None:
@@ -59,6 +98,17 @@ def plot_curve(snap: dict[str, Any], path: Path, title: str = "squall: GRPO") ->
             label="validation reward",
             color="tab:orange",
         )
+    colors = iter(["tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive"])
+    for name, role in snap.get("roles", {}).items():  # several trained roles: each one's val curve
+        points = role["rewards"]["val"]
+        if points:
+            ax.plot(
+                [p["version"] for p in points],
+                [p["mean"] for p in points],
+                "s--",
+                label=f"{name}: validation reward",
+                color=next(colors, "tab:gray"),
+            )
     ax.set_xlabel("policy version")
     ax.set_ylabel("reward")
     ax.set_ylim(-0.02, 1.02)

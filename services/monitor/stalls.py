@@ -61,7 +61,8 @@ class Thresholds:
             step_stall_s=alerts.step_stall_s,
             slow_group_factor=alerts.slow_group_factor,
             slow_group_min_s=alerts.slow_group_min_s,
-            attempt_stuck_s=alerts.attempt_stuck_s or config.scheduler.task_timeout_s + 30.0,
+            attempt_stuck_s=alerts.attempt_stuck_s
+            or config.scheduler.task_timeout_s + config.scheduler.attempt_timeout_s + 30.0,
             max_staleness=config.trainer.max_sample_age,  # older turns are filtered as stale
             node_stale_s=alerts.node_stale_s,
             deadletter_window_s=alerts.deadletter_window_s,

@@ -50,7 +50,32 @@ def collect(r: Any, run: str, rewards: int = 10, config: Any = None) -> dict[str
         ],
         "tools": pool_summary(r, run),
         "infra": {k.decode(): int(v) for k, v in r.hgetall(Keys(run).infra).items()},
+        "role_steps": _role_steps(r, Keys(run)),
     }
+
+
+ROLE_STEP_SCAN = 500  # newest metrics entries searched for each role's last step
+
+
+def _role_steps(r: Any, keys: Any) -> dict[str, dict[str, float]]:
+    """[roles] runs: each role's newest step metrics ({} for the single policy): its step,
+    version, filtered counts and staleness histogram among them."""
+    from squall.shared import schemas
+    from squall.shared.roles import DEFAULT_ROLE
+
+    out: dict[str, dict[str, float]] = {}
+    for _, fields in r.xrevrange(keys.metrics, count=ROLE_STEP_SCAN):
+        try:
+            message = schemas.decode(fields[schemas.ENTRY_FIELD], schemas.Metrics)
+        except Exception:
+            continue  # counted as skipped by the snapshot reader
+        if message.role != DEFAULT_ROLE and message.role not in out:
+            out[message.role] = {
+                "step": float(message.step),
+                "version": float(message.version),
+                **message.values,
+            }
+    return out
 
 
 def render(status: dict[str, Any]) -> str:
@@ -93,6 +118,7 @@ def render(status: dict[str, Any]) -> str:
             else (f"last version v{end['trainer_version']} (step {end['trainer_step']})")
         )
         lines.append(f"end        data ran out ({end['samples']} samples); trainer: {answer}")
+    lines += _role_lines(status)
     lines.append("rewards    " + ("(none yet)" if not status["recent_rewards"] else ""))
     for p in status["recent_rewards"]:
         lines.append(f"  v{p['version']:<5} {p['mode']:<5} mean={p['mean']:.4f}  n={p['count']}")
@@ -102,6 +128,30 @@ def render(status: dict[str, Any]) -> str:
 
         lines.append(format_summary(tools))
     return "\n".join(lines)
+
+
+def _role_lines(status: dict[str, Any]) -> list[str]:
+    """[roles] runs: one line per trained role (version, nodes serving it and how far behind,
+    last train and validation rewards, its trainer group's backlog, last step's filtered counts
+    and staleness)."""
+    lines = []
+    for name, role in status.get("roles", {}).items():
+        train, val = role["rewards"]["train"], role["rewards"]["val"]
+        nodes = " ".join(f"{n}={v}" for n, v in sorted(role["nodes"].items())) or "-"
+        group = next((g for g in status["groups"] if g["group"] == f"trainer:{name}"), None)
+        backlog = f"lag={group['lag']} pending={group['pending']}" if group else "no trainer group yet"
+        step = status.get("role_steps", {}).get(name, {})
+        counts = " ".join(
+            f"{k}={int(v)}"
+            for k, v in sorted(step.items())
+            if k.startswith(("filtered:", "staleness/", "late"))
+        )
+        parts = [f"role {name:<12} version={role['version']}", f"nodes[{nodes}]"]
+        parts += [f"train={train[-1]['mean']:.3f}"] if train else []
+        parts += [f"val={val[-1]['mean']:.3f}"] if val else []
+        parts += [backlog, f"step={int(step.get('step', 0))}"] + ([counts] if counts else [])
+        lines.append(" ".join(parts))
+    return lines
 
 
 def _groups_word(status: dict[str, Any]) -> str:

@@ -5,23 +5,31 @@
   sync agent that hangs keeps a worker thread until it returns — prefer async agents).
 - Command: a shell command; the task JSON on stdin, OPENAI_BASE_URL / OPENAI_API_KEY /
   OPENAI_MODEL (and ANTHROPIC_BASE_URL / ANTHROPIC_API_KEY, the same endpoint) in its environment, the reward as the last line of stdout (empty: no reward).
+  Turn-level rewards: POST `{"reward": x}` to `$AGENT_REWARD_URL` (= `$OPENAI_BASE_URL/reward`).
   It inherits the runner's environment except the `SQUALL_*` variables (Redis credentials,
   API keys). On its deadline its whole process group is killed.
-- The reward is the agent's return value, or one `llm.emit_reward(x)` call (not both); if
-  neither, `reward_fn(task, final_answer)` from the config; if still none, or not a finite
+- Resources (shared/resources.py): the versions the task pinned, as `llm.resources[name]`
+  (text) and `llm.resource_versions[name]` for a Python agent; for a command,
+  AGENT_RESOURCE_<NAME> (upper-cased) holds each text and AGENT_RESOURCES_FILE a JSON file of
+  {name: {"version": v, "text": ...}} (removed when the command ends).
+- The reward is the agent's return value plus every `llm.emit_reward(x)` it made (each one
+  attaches to the model call it follows: turn-level rewards, runner/turn_rewards.py); if it
+  did neither, `reward_fn(task, final_answer)` from the config; if still none, or not a finite
   number, the attempt fails with an error saying so — never a silent zero.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import inspect
 import json
 import math
 import os
 import signal
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +49,13 @@ class LLM:
     api_key: str  # any non-empty string works; the URL identifies the attempt
     _root: str = ""  # base_url without /v1, for per-agent URLs
     traceparent: str = ""  # W3C traceparent of the attempt's span (tracing on): an agent's own spans join it
-    _emitted: list[float] = field(default_factory=list)
+    resources: dict[str, str] = field(default_factory=dict)  # name -> text of the pinned version
+    resource_versions: dict[str, int] = field(default_factory=dict)  # name -> the version handed out
+    _emitted: list[float] = field(
+        default_factory=list
+    )  # only without _on_reward (an LLM built outside a runner)
+    # The runner's hook: attach a reward to the attempt's newest turn (turn_rewards.attach_reward).
+    _on_reward: Callable[[float], Any] | None = None
 
     def agent_url(self, name: str) -> str:
         """Base URL for a named agent (multi-agent tasks): its calls are attributed to `name`.
@@ -51,8 +65,13 @@ class LLM:
         return f"{self._root}/agent/{name}/v1"
 
     def emit_reward(self, reward: float) -> None:
-        """Report the reward explicitly (instead of returning it)."""
-        self._emitted.append(reward)
+        """Reward the model call just made (a turn-level reward); the attempt's reward is the
+        sum of these plus what the agent returns. TurnRewardError (a ValueError) for a value
+        that is not a finite number, or when no call was made yet."""
+        if self._on_reward is not None:
+            self._on_reward(reward)
+        else:
+            self._emitted.append(reward)
 
 
 def load_callable(spec: str, what: str) -> Callable[..., Any]:
@@ -98,11 +117,19 @@ class CommandAgent:
             "OPENAI_BASE_URL": llm.base_url,
             "OPENAI_API_KEY": llm.api_key,
             "OPENAI_MODEL": llm.model,
+            "AGENT_REWARD_URL": f"{llm.base_url}/reward",  # POST {"reward": x}: a turn-level reward
             **({"TRACEPARENT": llm.traceparent} if llm.traceparent else {}),
             # Anthropic clients (Claude Code, the anthropic SDK) add /v1/messages themselves.
             "ANTHROPIC_BASE_URL": llm.base_url.removesuffix("/v1"),
             "ANTHROPIC_API_KEY": llm.api_key,
+            **{f"AGENT_RESOURCE_{name.upper()}": text for name, text in llm.resources.items()},
         }
+        with _resources_file(llm) as path:
+            if path:
+                env["AGENT_RESOURCES_FILE"] = path
+            return await self._run(env, payload)
+
+    async def _run(self, env: dict[str, str], payload: dict[str, Any]) -> Any:
         process = await asyncio.create_subprocess_shell(
             self.cmd,
             stdin=asyncio.subprocess.PIPE,
@@ -129,6 +156,23 @@ class CommandAgent:
             raise AgentError(
                 f"agent command's last stdout line must be the reward (a number), got {lines[-1][:200]!r}"
             ) from None
+
+
+@contextlib.contextmanager
+def _resources_file(llm: LLM) -> Iterator[str]:
+    """A JSON file of the attempt's resources for a command agent ("" when it has none)."""
+    if not llm.resources:
+        yield ""
+        return
+    body = {n: {"version": llm.resource_versions.get(n, 0), "text": t} for n, t in llm.resources.items()}
+    fd, path = tempfile.mkstemp(prefix="squall-resources-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as out:
+            json.dump(body, out)
+        yield path
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def agent_environment() -> dict[str, str]:
@@ -161,13 +205,19 @@ async def resolve_reward(
     reward_fn: Callable[..., Any] | None,
     payload: dict[str, Any],
     final_answer: str | None,
+    emitted: float | None = None,
 ) -> float:
-    """The attempt's reward, or AgentError saying why there is none."""
-    if returned is not None and llm._emitted:
-        raise AgentError("agent both returned a reward and called emit_reward: use one of them")
-    if len(llm._emitted) > 1:
-        raise AgentError(f"agent called emit_reward {len(llm._emitted)} times: call it once")
-    value = returned if returned is not None else (llm._emitted[0] if llm._emitted else None)
+    """The attempt's reward, or AgentError saying why there is none. `emitted`: the sum of
+    the turn rewards the gateway attached (turn_rewards.emitted_total), None when none."""
+    if llm._emitted:
+        emitted = (emitted or 0.0) + float(sum(llm._emitted))
+    if emitted is not None:  # turn rewards, plus the returned outcome reward if any
+        if returned is not None and (isinstance(returned, bool) or not isinstance(returned, int | float)):
+            raise AgentError(
+                f"reward must be a number, got {type(returned).__name__} {str(returned)[:100]!r}"
+            )
+        returned = emitted + (float(returned) if returned is not None else 0.0)
+    value = returned
     if value is None and reward_fn is not None:
         value = await call_maybe_async(reward_fn, payload, final_answer)
         if value is None:

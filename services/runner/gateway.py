@@ -54,8 +54,10 @@ from prometheus_client import Counter
 
 from squall.runner import continuity
 from squall.runner.protocols import anthropic_messages, openai_responses
+from squall.runner.turn_rewards import TurnRewardError, attach_reward
 from squall.shared.config import AGENT_NAME_RULE, RunnerSection, agent_name_problem
 from squall.shared.logs import get_logger
+from squall.shared.roles import DEFAULT_ROLE, split_model
 from squall.shared.schemas import Turn, pack_logprobs, pack_tokens
 
 RETRY_BACKOFF_S = 0.1  # first retry delay; doubles per retry
@@ -142,8 +144,13 @@ def _v1(base: str) -> str:
 
 
 class Gateway:
-    def __init__(self, section: RunnerSection, policy_model: str) -> None:
+    def __init__(
+        self, section: RunnerSection, policy_model: str, agent_roles: dict[str, str] | None = None
+    ) -> None:
         self.section, self.policy_model = section, policy_model
+        # Several trained roles (shared.roleplan): agent name -> the role whose adapter serves
+        # and trains its calls; None: the single-policy run (`train_agents` says what trains).
+        self.agent_roles = agent_roles
         self.pool = Pool(section.inference_urls)
         self.frozen = {name: _v1(url) for name, url in section.frozen_models.items()}
         self.train_agents = set(section.train_agents)
@@ -260,16 +267,42 @@ class Gateway:
         async def unrouted(request: Request) -> Response:
             return _error(404, _unrouted_message(request))
 
+        async def reward(request: Request) -> Response:
+            return await self._reward(request, request.path_params["token"])
+
         for prefix in ("/a/{token}/v1", "/a/{token}/agent/{agent}/v1"):
             app.router.add_route(f"{prefix}/chat/completions", chat, methods=["POST"])
             app.router.add_route(f"{prefix}/completions", completions, methods=["POST"])
             app.router.add_route(f"{prefix}/models", models, methods=["GET"])
             app.router.add_route(f"{prefix}/messages", messages, methods=["POST"])
             app.router.add_route(f"{prefix}/responses", responses, methods=["POST"])
+            app.router.add_route(f"{prefix}/reward", reward, methods=["POST"])
         app.router.add_route("/health", health, methods=["GET"])
         # Last: whatever matched no route above gets an error saying why, not a bare 404.
         app.router.add_route("/{rest:path}", unrouted, methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
         return app
+
+    async def _reward(self, request: Request, token: str) -> Response:
+        """POST .../v1/reward {"reward": x}: a command agent's llm.emit_reward(x). A bad value,
+        or one before any call, answers 400 saying why; the attempt goes on."""
+        attempt = self.attempts.get(token)
+        if attempt is None:
+            return _error(404, "this attempt is over (or never existed): its base URL is no longer served")
+        where = "POST /v1/reward"
+        try:
+            body = orjson.loads(await request.body())
+        except orjson.JSONDecodeError:
+            return _error(400, f'{where}: the body must be JSON like {{"reward": 1.0}}')
+        if not isinstance(body, dict) or "reward" not in body:
+            return _error(400, f'{where}: the body must be a JSON object with a "reward" number')
+        try:
+            turn = attach_reward(attempt.turns, body["reward"], where)
+        except TurnRewardError as exc:
+            return _error(400, str(exc))
+        return Response(
+            orjson.dumps({"turn": turn, "turn_reward": attempt.turns[turn].reward}),
+            media_type="application/json",
+        )
 
     # --- one call --------------------------------------------------------------------------
     def _protocol_call(self, request: Request) -> ProtocolCall:
@@ -302,8 +335,9 @@ class Gateway:
         wants_stream = bool(body.pop("stream", False))
         include_usage = bool((body.pop("stream_options", None) or {}).get("include_usage"))
         wants_logprobs = body.get("logprobs")
+        role, pinned = self._role_of(agent, asked_model) if frozen_url is None else (None, False)
         if frozen_url is None:
-            body["model"] = self.policy_model
+            body["model"] = asked_model if pinned else role or self.policy_model
             body["return_token_ids"] = True
             body["logprobs"] = True
         started = time.perf_counter()
@@ -323,7 +357,16 @@ class Gateway:
         if status != 200:
             return self._refused(attempt, agent, status, reply)
         try:
-            self._record(attempt, reply, agent, model, node, latency, trained_model=frozen_url is None)
+            self._record(
+                attempt,
+                reply,
+                agent,
+                model,
+                node,
+                latency,
+                trained_model=frozen_url is None and not pinned,
+                role=role,
+            )
         except (KeyError, TypeError, ValueError) as exc:
             attempt.error = f"inference reply from {node} broke the token-id contract: {exc}"
             return _error(502, attempt.error, kind="upstream_contract")
@@ -333,6 +376,21 @@ class Gateway:
         if wants_stream:
             return StreamingResponse(_sse(reply, route, include_usage), media_type="text/event-stream")
         return Response(orjson.dumps(reply), media_type="application/json")
+
+    def _role_of(self, agent: str, asked_model: str) -> tuple[str | None, bool]:
+        """(the role serving `agent`'s policy call, whether the agent pinned a snapshot). With
+        roles, an agent that asks for `role@version` gets exactly that snapshot, never trained
+        (a league opponent, or the warm start `role@0`); any other call of a seat is sent with
+        model = its role; an agent no role covers is served the base, untrained."""
+        if self.agent_roles is None:
+            return None, False
+        try:
+            pinned_role, version = split_model(asked_model)
+        except ValueError:
+            pinned_role, version = asked_model, None
+        if version is not None and pinned_role in self.agent_roles.values():
+            return pinned_role, True
+        return self.agent_roles.get(agent), False
 
     async def _request_body(self, request: Request, agent: str, body: dict | None) -> dict | Response:
         """The call's JSON object (`body` when another protocol already decoded it), or the
@@ -354,11 +412,42 @@ class Gateway:
             )
         return body
 
+    def _role_unknown(self, response: httpx.Response, pinned: bool) -> bool:
+        """A role the node has not heard of yet (its first version is still on its way from the
+        trainer): the infrastructure is behind, not the agent wrong. A missing version of a role
+        the node serves (`pinned`: the node answers "version N of role R is not available") is
+        the agent's error and goes back to it."""
+        return (
+            response.status_code == 404
+            and self.agent_roles is not None
+            and b"model_not_found" in response.content
+            and (not pinned or b"is not served here" in response.content)
+        )
+
+    def _served_behind(self, reply: Any, base: str, need: int) -> str | None:
+        """Why a policy reply from an older version than `need` is discarded (e.g. the node
+        restarted on older weights), or None. Notes the node's version (single policy only:
+        with roles each reply carries its own role's)."""
+        if not isinstance(reply, dict) or "weight_version" not in reply:
+            return None
+        served = int(reply["weight_version"])
+        if self.agent_roles is None:
+            self.pool.versions[base] = served
+        return f"{base}: served version {served}, the task needs {need}" if 0 <= served < need else None
+
     async def _post(
         self, attempt: Attempt, route: str, body: dict, frozen_url: str | None, model: str
     ) -> tuple[int, dict, str]:
         """POST with retries; returns (status, json, node url). Raises UpstreamError."""
         payload = orjson.dumps(body)
+        # A pinned snapshot (`role@version`, [roles] runs) is old on purpose: the task's
+        # min_version does not apply to it, and its reply says nothing about the node's newest.
+        pinned = self.agent_roles is not None and "@" in str(body.get("model", ""))
+        need = 0 if pinned else attempt.min_version  # the reply's own version must reach this
+        # With roles, a node's /health and replies each carry one role's version (or the base's),
+        # so one number per node cannot say whether it is behind for this call's role: only the
+        # reply's own version is checked.
+        pool_need = 0 if self.agent_roles is not None else need
         tried: set[str] = set()
         errors: list[str] = []
         reason = "connection"
@@ -368,11 +457,11 @@ class Gateway:
             if frozen_url is not None:
                 base = frozen_url
             else:
-                await self._await_version(attempt.min_version)
+                await self._await_version(pool_need)
                 sticky = attempt.node if attempt.node and attempt.node not in tried else None
-                if sticky and self.pool.behind(sticky, attempt.min_version):
+                if sticky and self.pool.behind(sticky, pool_need):
                     sticky = None  # a node that caught up beats the prefix cache
-                base = sticky or self.pool.pick(tried, attempt.min_version)
+                base = sticky or self.pool.pick(tried, pool_need)
                 attempt.node = base
                 self.pool.inflight[base] += 1
             headers = {"content-type": "application/json"}
@@ -393,6 +482,10 @@ class Gateway:
                 tried.add(base)
                 reason = "http"
                 continue
+            if self._role_unknown(response, pinned):
+                errors.append(f"{base}: HTTP 404 {response.text[:200]}")
+                reason = "behind"
+                continue
             try:
                 reply = orjson.loads(response.content)
             except orjson.JSONDecodeError:
@@ -400,13 +493,11 @@ class Gateway:
                 tried.add(base)
                 reason = "http"
                 continue
-            if frozen_url is None and isinstance(reply, dict) and "weight_version" in reply:
-                served = int(reply["weight_version"])
-                self.pool.versions[base] = served
-                if 0 <= served < attempt.min_version:  # e.g. the node restarted on older weights
-                    errors.append(f"{base}: served version {served}, the task needs {attempt.min_version}")
-                    reason = "behind"
-                    continue
+            behind = None if frozen_url is not None or pinned else self._served_behind(reply, base, need)
+            if behind:
+                errors.append(behind)
+                reason = "behind"
+                continue
             return response.status_code, reply, base
         where = (
             f"the endpoint of frozen model {model!r} in runner.frozen_models ({frozen_url}) is up"
@@ -454,9 +545,13 @@ class Gateway:
         latency: float,
         *,
         trained_model: bool,
+        role: str | None = None,
     ) -> None:
         """One Turn per choice, from the ids and logprobs the server sampled."""
-        trained = trained_model and (not self.train_agents or agent in self.train_agents)
+        if self.agent_roles is None:
+            trained = trained_model and (not self.train_agents or agent in self.train_agents)
+        else:  # with roles: a seat's own role's call trains that role
+            trained = trained_model and role is not None
         version = int(reply["weight_version"]) if "weight_version" in reply else -1
         top_prompt = reply.get("prompt_token_ids")
         node_id = str(reply.get("node") or node)
@@ -483,6 +578,7 @@ class Gateway:
                     finish_reason=str(choice.get("finish_reason") or "stop"),
                     node=node_id,
                     latency_s=latency,
+                    role=role or DEFAULT_ROLE,
                 )
             )
         self._check_continuity(attempt, agent)
@@ -569,7 +665,7 @@ def _strip(reply: dict, *, keep_logprobs: bool) -> None:
             choice["logprobs"] = None
 
 
-ROUTES = "/a/TOKEN/v1/{chat/completions,completions,messages,responses,models} and /a/TOKEN/agent/NAME/v1/..."
+ROUTES = "/a/TOKEN/v1/{chat/completions,completions,messages,responses,models,reward} and /a/TOKEN/agent/NAME/v1/..."
 
 
 def _unrouted_message(request: Request) -> str:

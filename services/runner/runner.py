@@ -50,13 +50,17 @@ from squall.shared.heartbeat import HeartbeatWriter
 from squall.shared.keys import GROUP_RUNNERS, Keys
 from squall.shared.ledger import FINISH_BY_STATUS, Ledger, lua_move_function, lua_sources
 from squall.shared.logs import get_logger
+from squall.shared.resources import ResourceCache, ResourceError
 from squall.shared.retry import REDIS_ERRORS, RedisOutage
+from squall.shared.roleplan import roles_of
 from squall.shared.runwarnings import TRAIN_AGENT_UNUSED, RunWarning, record_once
 from squall.tracking.otel import attempt_ids, call_span_id, traceparent, tracer_for
 
 from .agents import LLM, CommandAgent, PythonAgent, load_callable, resolve_reward
 from .gateway import Gateway
+from .rolerewards import split_role_rewards
 from .trainwatch import TrainAgentsWatch
+from .turn_rewards import attach_reward, emitted_total
 
 READ_BLOCK_MS = 1000  # longest XREADGROUP block: how soon the fetch loop notices a stop
 FULL_WAIT_S = 1.0  # longest wait for a free slot when all are busy (also how soon it notices a stop)
@@ -116,9 +120,13 @@ class Runner:
         self.reward_fn = (
             load_callable(self.section.reward_fn, "reward_fn") if self.section.reward_fn else None
         )
-        self.gateway = Gateway(self.section, config.model.name)
+        roles = [role for role in roles_of(config) if role.declared]
+        self.role_names = [role.name for role in roles]  # empty: the single-policy run
+        agent_roles = {agent: role.name for role in roles for agent in role.agents}
+        self.gateway = Gateway(self.section, config.model.name, agent_roles if roles else None)
         self.tracer = tracer_for(config, "runner", metrics=REGISTRY)
         self._finish = r.register_script(_FINISH)
+        self.resource_cache = ResourceCache(r, self.keys)
         self.heartbeat = HeartbeatWriter(r, self.keys, "runner", self.id, every_s=self.section.heartbeat_s)
         self.outage = RedisOutage(
             config.run.redis_url, config.run.redis_outage_s, log=self.log, on_outage=self._count_outage
@@ -321,22 +329,23 @@ class Runner:
         )
 
     # --- one attempt ----------------------------------------------------------------------
-    async def _attempt(self, delivery: bus.Delivery) -> None:
-        task: schemas.Task = delivery.message
-        taken = time.time()
+    async def _time_to_run(self, delivery: bus.Delivery, task: schemas.Task, taken: float) -> float | None:
+        """Take the attempt and return the seconds it may run; None when it must not start
+        (delivered too often, already finished, or its deadline passed in the queue): then its
+        outcome is already published or acknowledged."""
         if delivery.deliveries > self.section.max_deliveries:
             error = (
                 f"delivered {delivery.deliveries} times without finishing (lease of {self.section.lease_s}s "
                 "lapsed each time: runners died or hung on it); giving up on this attempt"
             )
             await self._publish(delivery, self._trajectory(task, "failed", error=error), taken)
-            return
+            return None
         state = await self._call("attempt", self.ledger.state_of, task.key)
         if state not in (None, "pending", "running"):
             # Already finished (or cancelled) — e.g. handed back after its trajectory went out.
             await self._call("attempt", self.consumer.ack, [delivery.entry_id])
             self.counts["skipped"] += 1
-            return
+            return None
         await self._call("attempt", self.ledger.apply, "take", [task.key])
         if task.not_before > time.time():  # an infrastructure retry's backoff (scheduler outcomes)
             await asyncio.sleep(min(task.not_before, task.deadline) - time.time())
@@ -344,21 +353,41 @@ class Runner:
         if remaining <= 0:
             error = f"deadline passed {-remaining:.1f}s before the attempt started (waited in the queue)"
             await self._publish(delivery, self._trajectory(task, "timeout", error=error), taken)
+            return None
+        if task.run_timeout_s > 0:  # the attempt's own deadline starts now: queue time not counted
+            remaining = task.run_timeout_s
+        return remaining
+
+    async def _attempt(self, delivery: bus.Delivery) -> None:
+        task: schemas.Task = delivery.message
+        taken = time.time()
+        remaining = await self._time_to_run(delivery, task, taken)
+        if remaining is None:
             return
         attempt = self.gateway.open(task.key, task.min_version, task.group_id)
         root = self.gateway.base_url(attempt.token).removesuffix("/v1")
         trace_id, span_id = attempt_ids(self.keys.run, task.key)
+        try:
+            texts = await self._resource_texts(task)
+        except ResourceError as exc:
+            self.gateway.close(attempt.token)
+            await self._publish(delivery, self._trajectory(task, "failed", error=str(exc)), taken)
+            return
         llm = LLM(
+            resources=texts,
+            resource_versions=dict(task.resources),
             base_url=f"{root}/v1",
             model=self.config.model.name,
             api_key=f"squall-{attempt.token}",
             _root=root,
             traceparent=traceparent(trace_id, span_id) if self.tracer.enabled else "",
+            _on_reward=lambda value: attach_reward(attempt.turns, value),
         )
         began = time.time()
         if self.tracer.enabled:
             attempt.trace_parent = lambda i: traceparent(trace_id, call_span_id(self.keys.run, task.key, i))
         status, reward, error = "ok", None, None
+        role_rewards: dict[str, float] = {}
         agent_started = time.perf_counter()
         deadline = asyncio.timeout(remaining)
         try:
@@ -366,8 +395,14 @@ class Runner:
                 returned = await self.agent(task.payload, llm)
                 if attempt.error:
                     raise AgentError(attempt.error)
+                returned, role_rewards = split_role_rewards(returned, self.role_names)
                 reward = await resolve_reward(
-                    returned, llm, self.reward_fn, task.payload, attempt.final_answer
+                    returned,
+                    llm,
+                    self.reward_fn,
+                    task.payload,
+                    attempt.final_answer,
+                    emitted_total(attempt.turns),
                 )
         except TimeoutError as exc:
             if deadline.expired():
@@ -399,9 +434,17 @@ class Runner:
             timings=timings,
             final_answer=attempt.final_answer,
             infra=infra,
+            role_rewards=role_rewards if status == "ok" else {},
         )
         self.tracer.attempt(trajectory, began, time.time(), attempt.call_starts)
         await self._publish(delivery, trajectory, taken)
+
+    async def _resource_texts(self, task: schemas.Task) -> dict[str, str]:
+        """The texts of the resource versions the task pinned (shared/resources.py), each read
+        from Redis once per runner; ResourceError when one cannot be had."""
+        if not task.resources:
+            return {}
+        return await self._call("attempt", self.resource_cache.texts_for, task.resources)
 
     def _observe(self, trajectory: schemas.Trajectory, taken: float) -> None:
         """Prometheus: the standard squall metrics (names in squall.monitor.metrics)."""
@@ -452,6 +495,7 @@ class Runner:
             runner_id=self.id,
             status=status,  # type: ignore[arg-type]
             min_version=task.min_version,
+            resources=dict(task.resources),
             **fields,
         )
 

@@ -1,6 +1,7 @@
 """Admission: may one more training group go out now? Pure functions of the open groups.
 
-Two limits, both against the trainer's weight version:
+Two limits, both against the trainer's weight version (with several trained roles, the
+staleness limit against each role's own version):
 - `max_inflight_groups`: training groups open at once (held groups count, see below);
 - `max_staleness`: no group is dispatched while a group still rolling out was dispatched
   more than this many versions ago.
@@ -21,7 +22,8 @@ from .groups import Group
 def inflight_limit(configured: int, override: int, hold_until_trained: bool, groups_per_step: int) -> int:
     """The in-flight limit in force: a Control override (0: none) or the config's.
 
-    Held groups wait for a trainer step; fewer than one step's worth would deadlock.
+    Held groups wait for a trainer step (and its checkpoint: pass groups_per_step times
+    trainer.checkpoint_every); fewer than that would deadlock.
     """
     limit = override or configured
     return max(limit, groups_per_step) if hold_until_trained else limit
@@ -32,13 +34,41 @@ def staleness_limit(configured: int, override: int) -> int:
     return override if override >= 0 else configured
 
 
-def admits(groups: Iterable[Group], version: int, max_inflight: int, max_staleness: int) -> bool:
-    """May one more training group go out at trainer `version`?"""
+def admits(
+    groups: Iterable[Group],
+    version: int,
+    max_inflight: int,
+    max_staleness: int,
+    role_versions: dict[str, int] | None = None,
+) -> bool:
+    """May one more training group go out at trainer `version`? With several trained roles
+    (`role_versions`: each role's version now), the staleness limit holds for every role on
+    its own: no role may have moved more than `max_staleness` versions past the version it had
+    when the oldest group still rolling out was dispatched."""
     train = [g for g in groups if g.mode == "train"]
     if len(train) >= max_inflight:
         return False
-    oldest = min((g.version for g in train if not g.rolled_out), default=version)
+    rolling = [g for g in train if not g.rolled_out]
+    if role_versions:
+        return all(
+            now - min((g.role_versions.get(role, now) for g in rolling), default=now) <= max_staleness
+            for role, now in role_versions.items()
+        )
+    oldest = min((g.version for g in rolling), default=version)
     return version - oldest <= max_staleness
+
+
+def resource_lag(groups: Iterable[Group], current: dict[str, tuple[int, int]]) -> int:
+    """Promotions of a resource (shared/resources.py) that the oldest pin of a training group
+    still rolling out is behind: a new prompt makes groups stale as a new weight version does."""
+    lags = [
+        current[name][1] - pin[1]
+        for g in groups
+        if g.mode == "train" and not g.rolled_out
+        for name, pin in g.resources.items()
+        if name in current
+    ]
+    return max(lags, default=0)
 
 
 def exhausted(*, samples: int, max_samples: int, epoch: int, epochs: int, train_rows: int) -> bool:

@@ -25,6 +25,7 @@ class Cursor:
     last_val_version: int = -1  # trainer version of the last validation round (-1: none yet)
     val_sum: float = 0.0  # reward sum of the open validation round
     val_count: int = 0  # rewards in that sum
+    val_role_sums: str = ""  # [roles] runs: JSON {role: [sum, count]} of the open round's per-role rewards
     control_id: str = "0-0"  # last Control entry applied
     paused: int = 0
     draining: int = 0

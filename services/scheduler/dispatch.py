@@ -13,7 +13,7 @@ from typing import Any
 
 import redis
 
-from squall.shared import durability, schemas
+from squall.shared import durability, resources, schemas
 from squall.shared.config import SchedulerSection
 from squall.shared.keys import Keys
 from squall.shared.ledger import Ledger
@@ -69,7 +69,8 @@ class Dispatcher:
         self, group: Group, members: Iterable[int], version: int, not_before: float = 0.0
     ) -> list[schemas.Task]:
         """The current attempt of each of `members` as a Task, due `task_timeout_s` after it may
-        start (now, or `not_before`: an infrastructure retry's backoff)."""
+        start (now, or `not_before`: an infrastructure retry's backoff); with `attempt_timeout_s`
+        the attempt's own clock starts when a runner starts it (Task.run_timeout_s)."""
         now = time.time()
         return [
             schemas.Task(
@@ -87,6 +88,8 @@ class Dispatcher:
                 epoch=group.epoch,
                 created_at=now,
                 not_before=not_before,
+                resources={name: pin[0] for name, pin in group.resources.items()},
+                run_timeout_s=self.section.attempt_timeout_s,
             )
             for i in members
         ]
@@ -109,8 +112,11 @@ class Dispatcher:
 
     def commit(self, groups: list[Group], cursor: Cursor, version: int) -> None:
         """Every member's first task, the ledger moves, group records and cursor: one MULTI/EXEC."""
+        pins = resources.current_pins(self.r, self.keys)
         pipe = self.r.pipeline(transaction=True)
         for group in groups:
+            if not group.resources:  # a new group pins what is current now (shared/resources.py)
+                group.resources = {name: list(pin) for name, pin in pins.items()}
             self.queue(pipe, group, range(group.size), version)
             pipe.hset(self.keys.groups, group.group_id, group.to_json())
         pipe.hset(self.keys.scheduler_state, mapping=cursor.fields())

@@ -29,6 +29,14 @@ class Group:
     rolled_out: bool = False  # every member settled; held until the trainer consumed it
     infra: list[int] = field(default_factory=list)  # free infrastructure retries per member (empty: none yet)
     infra_since: float = 0.0  # unix time of the group's first infrastructure failure (0: none)
+    role_versions: dict[str, int] = field(
+        default_factory=dict
+    )  # each trained role's version at dispatch ([roles] runs)
+    role_rewards: dict[str, list[float]] = field(
+        default_factory=dict
+    )  # role -> its rewards of the ok members
+    # resource name -> [version, generation] pinned at dispatch (shared/resources.py); retries keep it
+    resources: dict[str, list[int]] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, separators=(",", ":"))

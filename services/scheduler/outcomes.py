@@ -22,6 +22,7 @@ our PEL to be handled again, and after EXEC everything is done once.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -150,6 +151,8 @@ class Outcomes:
 
     def _ok(self, pipe: redis.client.Pipeline, group: Group, traj: schemas.Trajectory) -> None:
         group.done[traj.index], group.rewards[traj.index] = True, traj.reward
+        for role, value in traj.role_rewards.items():  # a [roles] run: each role's own reward
+            group.role_rewards.setdefault(role, []).append(value)
         if group.mode == "val":
             self.ledger.apply("validate", [traj.key], pipe=pipe)
 
@@ -222,9 +225,18 @@ class Outcomes:
         if group.mode == "val":
             cursor.val_sum += sum(rewards)
             cursor.val_count += len(rewards)
+            sums = json.loads(cursor.val_role_sums or "{}")
+            for role, values in group.role_rewards.items():
+                total, count = sums.get(role, [0.0, 0])
+                sums[role] = [total + sum(values), count + len(values)]
+            cursor.val_role_sums = json.dumps(sums) if sums else ""
             pipe.hset(
                 self.keys.scheduler_state,
-                mapping={"val_sum": str(cursor.val_sum), "val_count": str(cursor.val_count)},
+                mapping={
+                    "val_sum": str(cursor.val_sum),
+                    "val_count": str(cursor.val_count),
+                    "val_role_sums": cursor.val_role_sums,
+                },
             )
         elif rewards:
             point = schemas.RewardPoint(
@@ -236,3 +248,14 @@ class Outcomes:
                 group_id=group.group_id,
             )
             report.reward(pipe, self.keys, point)
+            for role, values in group.role_rewards.items():
+                role_point = schemas.RewardPoint(
+                    run=self.keys.run,
+                    version=group.role_versions.get(role, group.version),
+                    mode="train",
+                    mean=sum(values) / len(values),
+                    count=len(values),
+                    group_id=group.group_id,
+                    role=role,
+                )
+                report.reward(pipe, self.keys, role_point)

@@ -60,13 +60,15 @@ import redis
 
 from squall.monitor.rollouts import RolloutKeeper
 from squall.monitor.stalls import StallCollector, StallWatch, Thresholds
-from squall.shared import bus, dataend, durability, schemas
+from squall.shared import bus, dataend, durability, resources, schemas
 from squall.shared.config import RunConfig
 from squall.shared.heartbeat import HeartbeatWriter
 from squall.shared.keys import GROUP_RUNNERS, GROUP_SCHEDULER, Keys
 from squall.shared.ledger import Ledger
 from squall.shared.logs import get_logger
 from squall.shared.retry import REDIS_ERRORS, RedisOutage
+from squall.shared.roleplan import roles_of
+from squall.shared.roles import trainer_field
 
 from . import admission, groups, report, validation
 from . import dataset as ds
@@ -117,7 +119,9 @@ class Scheduler:
         self.outcomes = Outcomes(r, keys, self.ledger, section, self.dispatcher, self.log)
         self.validation = validation.Validation(r, keys, section, self.dispatcher, self.log)
         self.ending = Ending(r, keys, section, self.log)
-        self.trimmer = Trimmer(r, keys, section.trim_every_s, self.log)
+        roles = [role.name for role in roles_of(config)]
+        self.role_names = [role.name for role in roles_of(config) if role.declared]  # [] : one policy
+        self.trimmer = Trimmer(r, keys, section.trim_every_s, self.log, roles)
         self.keeper = RolloutKeeper(config.run.dir, section.keep_rollouts_per_version)
         self.stalls = StallWatch(
             r, keys, Thresholds.from_config(config), config.alerts.check_every_s, self.log
@@ -218,8 +222,19 @@ class Scheduler:
         )
 
     def trainer_version(self) -> int:
+        """The trainer's version; with several roles the lowest of theirs (a task's
+        min_version then holds for whichever role serves a call)."""
+        if self.role_names:
+            return min(self.role_versions().values())
         raw = self.r.hget(self.keys.versions, "trainer")
         return int(raw) if raw is not None else 0
+
+    def role_versions(self) -> dict[str, int]:
+        """Each trained role's published version ([roles] runs; {} for the single policy)."""
+        if not self.role_names:
+            return {}
+        raw = self.r.hmget(self.keys.versions, [trainer_field(role) for role in self.role_names])
+        return {role: int(v) if v is not None else 0 for role, v in zip(self.role_names, raw, strict=True)}
 
     @property
     def max_inflight(self) -> int:
@@ -227,7 +242,8 @@ class Scheduler:
             self.section.max_inflight_groups,
             self.cursor.max_inflight_groups,
             self.section.hold_until_trained,
-            self.config.trainer.groups_per_step,
+            # held groups are released by the checkpoint covering them (trainer.checkpoint_every)
+            self.config.trainer.groups_per_step * self.config.trainer.checkpoint_every,
         )
 
     @property
@@ -236,7 +252,14 @@ class Scheduler:
 
     def admits(self, version: int) -> bool:
         """May one more training group go out now? (see admission.admits)"""
-        return admission.admits(self.groups.values(), version, self.max_inflight, self.max_staleness)
+        if not admission.admits(
+            self.groups.values(), version, self.max_inflight, self.max_staleness, self.role_versions()
+        ):
+            return False
+        if not any(g.resources for g in self.groups.values()):
+            return True
+        pins = resources.current_pins(self.r, self.keys)
+        return admission.resource_lag(self.groups.values(), pins) <= self.max_staleness
 
     # --- dispatch -----------------------------------------------------------------------
     def _committed(self, cursor: Cursor, new: list[Group]) -> None:
@@ -253,6 +276,7 @@ class Scheduler:
         cursor = self.cursor.copy()
         sample = self.splits.train[self._epoch_order()[cursor.position]]
         group = new_group(cursor, sample, "train", self.section.group_size, version)
+        group.role_versions = self.role_versions()
         cursor.samples += 1
         self._advance(cursor)
         self.dispatcher.commit([group], cursor, version)
@@ -459,6 +483,12 @@ class Scheduler:
         )
         if not self.exhausted:  # data left (a resumed run, more epochs): no end is announced
             dataend.clear(self.r, self.keys)
+        # The run file's [resources] become version 1 (none already published: a restart keeps them).
+        published = resources.publish_initial(
+            self.r, self.keys, self.config.resources.named(), source="config"
+        )
+        if published:
+            self.log.info("resources_published", names=published)
         self.log.info(
             "scheduler_started",
             train=len(self.splits.train),

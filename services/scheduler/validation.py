@@ -10,6 +10,7 @@ so a run ends measured on its final weights.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 
 import redis
@@ -90,7 +91,7 @@ class Validation:
         cursor = cursor.copy()
         cursor.val_round += 1
         cursor.last_val_version = version
-        cursor.val_sum, cursor.val_count = 0.0, 0
+        cursor.val_sum, cursor.val_count, cursor.val_role_sums = 0.0, 0, ""
         chosen = samples[: self.section.val_samples or None]
         groups = [new_group(cursor, s, "val", self.section.val_group_size, version) for s in chosen]
         self.dispatcher.commit(groups, cursor, version)
@@ -120,6 +121,17 @@ class Validation:
             group_id=f"round{cursor.val_round}",
         )
         report.reward(pipe, self.keys, point)
+        for role, (total, n) in json.loads(cursor.val_role_sums or "{}").items():
+            role_point = schemas.RewardPoint(
+                run=self.keys.run,
+                version=cursor.last_val_version,
+                mode="val",
+                mean=total / n if n else float("nan"),
+                count=n,
+                group_id=f"round{cursor.val_round}",
+                role=role,
+            )
+            report.reward(pipe, self.keys, role_point)
 
     def closed(self, cursor: Cursor) -> None:
         """After the closing transaction: the event and log line (informational, may be lost)."""

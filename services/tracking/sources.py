@@ -18,6 +18,7 @@ import redis
 
 from squall.shared import schemas
 from squall.shared.errors import ConfigError
+from squall.shared.roles import DEFAULT_ROLE
 
 BATCH = 256  # entries per XRANGE
 MAX_ENTRIES_PER_POLL = 4096  # per stream: a poll stays short; the rest comes next poll
@@ -73,16 +74,21 @@ def finite(values: dict[str, float]) -> dict[str, float]:
 
 
 def metrics_scalars(message: schemas.Metrics) -> Scalars:
-    values = {f"trainer/{name}": value for name, value in finite(message.values).items()}
-    values["trainer/version"] = float(message.version)
+    """A trainer step's metrics as `trainer/<name>`; a role's step ([roles] runs, each role
+    with its own step and version counter) as `trainer/<role>/<name>`."""
+    prefix = "trainer" if message.role == DEFAULT_ROLE else f"trainer/{message.role}"
+    values = {f"{prefix}/{name}": value for name, value in finite(message.values).items()}
+    values[f"{prefix}/version"] = float(message.version)
     return Scalars("step", message.step, values)
 
 
 def reward_scalars(point: schemas.RewardPoint) -> Scalars:
-    """A train group's mean (`reward/train`) or a validation round's (`reward/val`), with its count."""
-    values = {f"reward/{point.mode}_count": float(point.count)}
+    """A train group's mean (`reward/train`) or a validation round's (`reward/val`), with its
+    count; a role's own ([roles] runs) as `reward/<role>/train`, `reward/<role>/val`."""
+    prefix = f"reward/{point.role}" if point.role else "reward"
+    values = {f"{prefix}/{point.mode}_count": float(point.count)}
     if math.isfinite(point.mean):
-        values[f"reward/{point.mode}"] = float(point.mean)
+        values[f"{prefix}/{point.mode}"] = float(point.mean)
     return Scalars("version", point.version, values)
 
 

@@ -52,6 +52,10 @@ class NextCommit:
 
     entry_ids: list[str] = field(default_factory=list)  # stream entries to ack after the commit
     trained: list[str] = field(default_factory=list)  # keys in this step's optimizer update
+    # Steps taken since the last checkpoint (trainer.checkpoint_every > 1): key -> its step,
+    # and (step, version, keys) per step for trained.jsonl.
+    trained_at: dict[str, int] = field(default_factory=dict)
+    steps: list[tuple[int, int, list[str]]] = field(default_factory=list)
     consumed: dict[str, str] = field(default_factory=dict)  # key -> filtered reason or 'late'
     groups: list[str] = field(default_factory=list)  # groups this commit closes
     counts: Counter = field(default_factory=Counter)  # filtered:<reason>, late, ... for metrics
@@ -64,6 +68,7 @@ class Sealed:
     done: DoneDelta  # what the checkpoint adds to the done set
     entry_ids: list[str]  # entries to ack once it is durable
     counts: Counter  # for the step's metrics
+    steps: list[tuple[int, int, list[str]]] = field(default_factory=list)  # (step, version, keys)
 
 
 def ledger_moves(done: DoneDelta) -> list[tuple[str, str | None, list[str]]]:
@@ -101,7 +106,8 @@ class Bookkeeping:
     def seen(self, key: str) -> Seen:
         if self.state.is_done(key):
             return Seen.DONE
-        if key in self.entry_ids or key in self.pending.consumed:
+        pending = self.pending
+        if key in self.entry_ids or key in pending.consumed or key in pending.trained_at:
             return Seen.IN_FLIGHT
         return Seen.NEW
 
@@ -161,17 +167,35 @@ class Bookkeeping:
     def close(self, decision: GroupDecision) -> None:
         self.pending.groups.append(decision.group_id)
 
+    def stepped(self, step: int, version: int) -> None:
+        """The optimizer step `step` (producing weights `version`) took this step's trained keys;
+        they wait in the next commit, with their step, until a checkpoint covers them."""
+        pending = self.pending
+        pending.trained_at.update({key: step for key in pending.trained})
+        pending.steps.append((step, version, pending.trained))
+        pending.trained = []
+
+    def take_counts(self) -> Counter:
+        """The counts gathered since the last call (one step's metrics), cleared."""
+        counts, self.pending.counts = self.pending.counts, Counter()
+        return counts
+
     # --- commit ---------------------------------------------------------------------
     def uncommitted(self) -> bool:
         return bool(self.pending.entry_ids)
 
-    def seal(self, step: int) -> Sealed:
-        """Fold the next commit into the durable state (trained keys at `step`); the caller
-        writes the checkpoint at once, then settles the ledger and acks."""
+    def seal(self, step: int, version: int | None = None) -> Sealed:
+        """Fold the next commit into the durable state (keys of steps recorded by `stepped` at
+        their step, any others at `step`); the caller writes the checkpoint at once, then
+        settles the ledger and acks."""
         pending, self.pending = self.pending, NextCommit()
-        done = DoneDelta({k: step for k in pending.trained}, pending.consumed, pending.groups)
+        steps = list(pending.steps)
+        if pending.trained:
+            steps.append((step, self.state.version if version is None else version, pending.trained))
+        trained = {**pending.trained_at, **{k: step for k in pending.trained}}
+        done = DoneDelta(trained, pending.consumed, pending.groups)
         self.state.add(done)
-        return Sealed(done, pending.entry_ids, pending.counts)
+        return Sealed(done, pending.entry_ids, pending.counts, steps)
 
     def covered(self, keys: Iterable[str]) -> DoneDelta:
         """The durable done set restricted to `keys` (entries read again after a crash)."""

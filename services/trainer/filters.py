@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from squall.shared.ledger import FilterReason
 from squall.shared.schemas import Trajectory
 
-from .advantages import get_advantage_fn
+from .advantages import get_advantage_fn, turn_advantages
 from .caps import TurnCaps, apply_caps
 
 ZERO_VARIANCE_TOL = 1e-8
@@ -37,6 +37,10 @@ class GroupDecision:
     group_id: str
     train: list[Trajectory] = field(default_factory=list)
     advantages: dict[str, float] = field(default_factory=dict)  # key -> advantage (all ok members)
+    # Turn-level estimators (advantage 'turn_*'): key -> one advantage per turn of the trajectory;
+    # `advantages` then holds each member's first-turn advantage (its whole return), for metrics.
+    turn_advantages: dict[str, list[float]] = field(default_factory=dict)
+    sft: set[str] = field(default_factory=set)  # keys that also train by SFT (sft.py)
     filtered: dict[str, list[Trajectory]] = field(default_factory=dict)  # reason -> members
     staleness: list[int] = field(default_factory=list)  # per ok member with a served turn
     rewards: list[float] = field(default_factory=list)  # every ok member's reward
@@ -64,6 +68,39 @@ def sequence_tokens(trajectory: Trajectory) -> int:
     return max((len(t.prompt_ids) + len(t.response_ids)) // 4 for t in trained)
 
 
+def rewards_per_turn(trajectory: Trajectory) -> list[float]:
+    """The reward following each turn: what the agent emitted after it, and the outcome
+    reward (the attempt's reward minus everything emitted) on the last turn. A trajectory with
+    no turns -> [its reward]. The list sums to the attempt's reward."""
+    reward = float(trajectory.reward or 0.0)
+    if not trajectory.turns:
+        return [reward]
+    per_turn = [float(t.reward) if t.reward is not None else 0.0 for t in trajectory.turns]
+    emitted = [t.reward for t in trajectory.turns if t.reward is not None]
+    # Only what was not emitted lands on the last turn: a single emit after the last call
+    # then leaves it exactly as emitted (reward - reward == 0.0 in floats).
+    per_turn[-1] += reward - float(sum(emitted)) if emitted else reward
+    return per_turn
+
+
+def _advantages(
+    ok: list[Trajectory], group_id: str, advantage: str, turn_gamma: float, decision: GroupDecision
+) -> None:
+    if advantage.startswith("turn_"):
+        per_turn = turn_advantages(
+            [rewards_per_turn(t) for t in ok],
+            [group_id] * len(ok),
+            base=advantage.removeprefix("turn_"),
+            gamma=turn_gamma,
+        )
+        decision.turn_advantages = {t.key: a for t, a in zip(ok, per_turn, strict=True)}
+        decision.advantages = {t.key: (a[0] if a else 0.0) for t, a in zip(ok, per_turn, strict=True)}
+        return
+    rewards = [float(t.reward) for t in ok]  # type: ignore[arg-type]
+    values = get_advantage_fn(advantage)(rewards, [group_id] * len(ok))
+    decision.advantages = {t.key: a for t, a in zip(ok, values, strict=True)}
+
+
 def decide_group(
     group_id: str,
     members: Sequence[Trajectory],
@@ -74,7 +111,11 @@ def decide_group(
     max_seq_len: int,
     advantage: str = "grpo",
     caps: TurnCaps | None = None,
+    turn_gamma: float = 1.0,
+    keep_zero_variance: bool = False,
 ) -> GroupDecision:
+    """With `keep_zero_variance` (SFT on: sft.py) a group without reward variance is not
+    dropped: its members go through the other filters with no advantage, for SFT to pick."""
     decision = GroupDecision(group_id)
     ok = []
     for traj in members:
@@ -84,12 +125,13 @@ def decide_group(
             ok.append(traj)
     rewards = [float(t.reward) for t in ok]  # type: ignore[arg-type]
     decision.rewards = rewards
-    if len(ok) < 2 or max(rewards) - min(rewards) <= ZERO_VARIANCE_TOL:
-        for traj in ok:
-            decision.drop("zero_variance", traj)
-        return decision
-    advantages = get_advantage_fn(advantage)(rewards, [group_id] * len(ok))
-    decision.advantages = {t.key: a for t, a in zip(ok, advantages, strict=True)}
+    if not ok or len(ok) < 2 or max(rewards) - min(rewards) <= ZERO_VARIANCE_TOL:
+        if not keep_zero_variance:
+            for traj in ok:
+                decision.drop("zero_variance", traj)
+            return decision
+    else:
+        _advantages(ok, group_id, advantage, turn_gamma, decision)
     for original in ok:
         traj, dropped = apply_caps(original, caps or TurnCaps())
         decision.capped.update(dropped)

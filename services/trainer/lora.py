@@ -60,12 +60,11 @@ def check_targets(model: torch.nn.Module, targets: list[str]) -> None:
             )
 
 
-def wrap(model: torch.nn.Module, cfg: TrainerSection, base_path: str) -> Any:
-    """The peft model training only rank-`cfg.lora_rank` adapters on `cfg.lora_target_modules`."""
-    from peft import LoraConfig, get_peft_model
+def lora_config(cfg: Any) -> Any:
+    """peft's LoraConfig for a trainer section's `lora_*` fields (one role's, in a roles run)."""
+    from peft import LoraConfig
 
-    check_targets(model, list(cfg.lora_target_modules))
-    config = LoraConfig(
+    return LoraConfig(
         r=cfg.lora_rank,
         lora_alpha=cfg.lora_alpha,
         lora_dropout=cfg.lora_dropout,
@@ -73,19 +72,28 @@ def wrap(model: torch.nn.Module, cfg: TrainerSection, base_path: str) -> Any:
         bias="none",
         task_type="CAUSAL_LM",
     )
-    peft_model = get_peft_model(model, config)
+
+
+def wrap(model: torch.nn.Module, cfg: TrainerSection, base_path: str) -> Any:
+    """The peft model training only rank-`cfg.lora_rank` adapters on `cfg.lora_target_modules`."""
+    from peft import get_peft_model
+
+    check_targets(model, list(cfg.lora_target_modules))
+    peft_model = get_peft_model(model, lora_config(cfg))
     peft_model.peft_config["default"].base_model_name_or_path = base_path
     return peft_model
 
 
-def adapter_config(peft_model: Any) -> dict[str, Any]:
+def adapter_config(peft_model: Any, adapter: str = "default") -> dict[str, Any]:
     """adapter_config.json's content, as peft writes it (sets as sorted lists)."""
-    raw = peft_model.peft_config["default"].to_dict()
+    raw = peft_model.peft_config[adapter].to_dict()
     out = {k: sorted(v) if isinstance(v, set) else v for k, v in raw.items()}
     return json.loads(json.dumps(out, default=str))  # enums (PeftType) as their strings
 
 
-def adapter_weights(peft_model: Any, *, gather: bool = False) -> dict[str, torch.Tensor]:
+def adapter_weights(
+    peft_model: Any, *, gather: bool = False, adapter: str = "default"
+) -> dict[str, torch.Tensor]:
     """The adapter's tensors under peft's saved names, as separate contiguous CPU copies.
     `gather`: the model is sharded (FSDP2); only the trainable tensors are gathered, to rank 0
     (the other ranks get {}), never the frozen base."""
@@ -99,8 +107,8 @@ def adapter_weights(peft_model: Any, *, gather: bool = False) -> dict[str, torch
         state = get_model_state_dict(peft_model, options=options)
         if not state:
             return {}
-    adapter = get_peft_model_state_dict(peft_model, state_dict=state)
-    return {k: v.detach().to("cpu").clone().contiguous() for k, v in adapter.items()}
+    tensors = get_peft_model_state_dict(peft_model, state_dict=state, adapter_name=adapter)
+    return {k: v.detach().to("cpu").clone().contiguous() for k, v in tensors.items()}
 
 
 def check_checkpoint_rank(saved: int, configured: int, where: str) -> None:

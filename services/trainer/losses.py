@@ -121,13 +121,19 @@ def ppo_tis_loss(
     tis_cap: float,
     ref_logp: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    sft_mask: torch.Tensor | None = None,
+    sft_coef: float = 1.0,
 ) -> LossOutput:
-    """All inputs (B, T); logp carries the gradient. Returns the weighted loss and stats."""
+    """All inputs (B, T); logp carries the gradient. Returns the weighted loss and stats.
+    Where `sft_mask` is 1 the policy term is the SFT one, -sft_coef * logp (trainer/sft.py)."""
     mask = loss_mask > 0
     n = int(mask.sum())
     pg, ratio, clip_active = ppo_tis_token_loss(
         logp, behaviour_logp, advantages, clip_low=clip_low, clip_high=clip_high, tis_cap=tis_cap
     )
+    if sft_mask is not None and bool((sft_mask > 0).any()):
+        pg = torch.where(sft_mask > 0, -sft_coef * logp, pg)
+        clip_active = clip_active & (sft_mask <= 0)
     pg_loss = (pg * weights).sum()
     loss = pg_loss
     kl_mean = 0.0

@@ -17,6 +17,7 @@ import redis
 from squall.shared import bus
 from squall.shared.adapterfiles import ADAPTER_CONFIG, ADAPTER_WEIGHTS, FORMAT_LORA, adapter_checksum
 from squall.shared.keys import WEIGHTS_MAXLEN, Keys
+from squall.shared.roles import DEFAULT_ROLE, trainer_field
 from squall.shared.schemas import WeightVersion
 from squall.shared.weightfiles import FORMAT_SHARDED, WEIGHTS_FILE, sha256_bytes, sha256_file, version_dir
 
@@ -39,8 +40,10 @@ class Publisher:
         shard_bytes: int = 512 * MIB,
         write_threads: int = 4,
         adapter_config: dict[str, Any] | None = None,
+        role: str = DEFAULT_ROLE,
     ) -> None:
         self.r, self.keys = r, keys
+        self.role = role  # versions count per role; each role's run_dir is its own (multirole.py)
         self.root = Path(run_dir) / "weights"
         self.root.mkdir(parents=True, exist_ok=True)
         self.keep_versions = keep_versions
@@ -52,8 +55,9 @@ class Publisher:
             shutil.rmtree(stale, ignore_errors=True)
 
     def published_version(self) -> int | None:
-        """The version the trainer last announced (versions hash field `trainer`)."""
-        raw = self.r.hget(self.keys.versions, "trainer")
+        """The version the trainer last announced (versions hash field `trainer`, or
+        `trainer:<role>`)."""
+        raw = self.r.hget(self.keys.versions, trainer_field(self.role))
         return int(raw) if raw is not None else None
 
     def write(self, version: int, state: dict[str, Any]) -> tuple[Path, str]:
@@ -86,14 +90,24 @@ class Publisher:
             location=str(path.resolve()),
             checksum=checksum,
             format=self.weights_format,
+            role=self.role,
         )
         bus.publish(self.r, self.keys.weights, message, maxlen=WEIGHTS_MAXLEN)
-        self.r.hset(self.keys.versions, "trainer", version)
+        self.r.hset(self.keys.versions, trainer_field(self.role), version)
         return message
 
     def node_versions(self) -> dict[str, int]:
+        """Each node's acknowledged version of this role (`versions` fields node_field(node, role))."""
         raw = self.r.hgetall(self.keys.versions)
-        return {k.decode(): int(v) for k, v in raw.items() if k.decode().startswith("inference:")}
+        out = {}
+        for key, value in raw.items():
+            name = key.decode()
+            if not name.startswith("inference:"):
+                continue
+            node, _, role = name.removeprefix("inference:").partition(":")
+            if (role or DEFAULT_ROLE) == self.role:
+                out[name] = int(value)
+        return out
 
     def pinned_versions(self) -> set[int]:
         """Versions snapshot nodes are pinned to (`versions` fields `snapshot:<node>`)."""

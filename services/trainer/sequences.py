@@ -37,6 +37,16 @@ class Sample:
     loss_mask: np.ndarray  # (T,) float32, 1 on trained response tokens
     behaviour_logprobs: np.ndarray  # (T,) float32, 0 where loss_mask is 0
     advantage: float = 0.0  # the trajectory's advantage, given to every trained token
+    # Turn-level estimators: (T,) float32, each token's own turn's advantage (None: `advantage`
+    # on every token).
+    advantages: np.ndarray | None = None
+    sft: bool = False  # its trained tokens take the SFT loss (negative log-likelihood), not PPO
+
+    def token_advantages(self) -> np.ndarray:
+        """(T,) the advantage of each token (0 matters nowhere the loss mask is 0)."""
+        if self.advantages is not None:
+            return self.advantages
+        return np.full(self.length, self.advantage, np.float32)
 
     @property
     def length(self) -> int:
@@ -79,19 +89,27 @@ def trajectory_to_samples(
     advantage: float = 0.0,
     mask_truncated: bool = False,
     stats: SplitStats | None = None,
+    turn_advantages: Sequence[float] | None = None,
 ) -> list[Sample]:
     """The trained turns of one trajectory -> samples (merged where prompts extend).
 
     Only turns with ``trained=True`` contribute; with ``mask_truncated`` the responses of
-    turns that stopped on 'length' stay in the sequence with mask 0.
+    turns that stopped on 'length' stay in the sequence with mask 0. With ``turn_advantages``
+    (one per turn of the trajectory) each response token carries its own turn's advantage.
     """
+    if turn_advantages is not None and len(turn_advantages) != len(trajectory.turns):
+        raise ValueError(
+            f"trajectory {trajectory.key}: {len(turn_advantages)} turn advantages for {len(trajectory.turns)} turns"
+        )
     stats = stats if stats is not None else SplitStats()
-    open_chains: dict[str, list[list[np.ndarray]]] = {}  # agent -> [ids parts, mask parts, lp parts]
+    # agent -> [ids parts, mask parts, logprob parts, advantage parts]
+    open_chains: dict[str, list[list[np.ndarray]]] = {}
     histories: dict[str, np.ndarray] = {}
     finished: list[list[list[np.ndarray]]] = []
-    for turn in trajectory.turns:
+    for k, turn in enumerate(trajectory.turns):
         if not turn.trained:
             continue
+        turn_adv = float(turn_advantages[k]) if turn_advantages is not None else float(advantage)
         prompt, response, logprobs = turn.prompt_tokens, turn.response_tokens, turn.logprobs
         resp_mask = (
             np.zeros(response.shape[0], np.float32)
@@ -101,6 +119,7 @@ def trajectory_to_samples(
         if mask_truncated and turn.finish_reason == "length":
             stats.masked_truncated += 1
         resp_lp = np.where(resp_mask > 0, logprobs, 0.0).astype(np.float32)
+        resp_adv = np.full(response.shape[0], turn_adv, np.float32)
         history = histories.get(turn.agent)
         if history is not None and _extends(history, prompt):
             gap = prompt[history.shape[0] :]
@@ -108,6 +127,7 @@ def trajectory_to_samples(
             chain[0] += [gap, response]
             chain[1] += [np.zeros(gap.shape[0], np.float32), resp_mask]
             chain[2] += [np.zeros(gap.shape[0], np.float32), resp_lp]
+            chain[3] += [np.zeros(gap.shape[0], np.float32), resp_adv]
             stats.merged_turns += 1
         else:
             if history is not None:
@@ -117,6 +137,7 @@ def trajectory_to_samples(
                 [prompt, response],
                 [np.zeros(prompt.shape[0], np.float32), resp_mask],
                 [np.zeros(prompt.shape[0], np.float32), resp_lp],
+                [np.zeros(prompt.shape[0], np.float32), resp_adv],
             ]
         histories[turn.agent] = np.concatenate([prompt, response])
     finished.extend(open_chains.values())
@@ -128,8 +149,9 @@ def trajectory_to_samples(
             loss_mask=np.concatenate(mask),
             behaviour_logprobs=np.concatenate(lp),
             advantage=float(advantage),
+            advantages=np.concatenate(adv) if turn_advantages is not None else None,
         )
-        for ids, mask, lp in finished
+        for ids, mask, lp, adv in finished
     ]
     samples = [s for s in samples if s.length >= 2]
     stats.samples += len(samples)
@@ -184,7 +206,7 @@ def collate(
     """Samples -> right-padded arrays, shifted so index t is the prediction of token t+1.
 
     Returns input_ids (B, T) int64, attention_mask (B, T), and for targets (B, T-1):
-    targets, loss_mask, behaviour_logprobs, weights, advantages.
+    targets, loss_mask, behaviour_logprobs, weights, advantages, sft_mask (1 on SFT tokens).
     """
     batch, width = len(samples), max(s.length for s in samples)
     ids = np.full((batch, width), pad_id, np.int64)  # (B, T)
@@ -193,6 +215,7 @@ def collate(
     blp = np.zeros((batch, width), np.float32)
     wts = np.zeros((batch, width), np.float32)
     adv = np.zeros((batch, width), np.float32)
+    sft = np.zeros((batch, width), np.float32)
     for b, (s, w) in enumerate(zip(samples, weights, strict=True)):
         n = s.length
         ids[b, :n] = s.input_ids
@@ -200,7 +223,8 @@ def collate(
         mask[b, :n] = s.loss_mask
         blp[b, :n] = s.behaviour_logprobs
         wts[b, :n] = w
-        adv[b, :n] = s.advantage
+        adv[b, :n] = s.token_advantages()
+        sft[b, :n] = s.loss_mask if s.sft else 0.0
     return {
         "input_ids": ids,
         "attention_mask": attn,
@@ -209,4 +233,5 @@ def collate(
         "behaviour_logprobs": blp[:, 1:],
         "weights": wts[:, 1:],
         "advantages": adv[:, 1:],
+        "sft_mask": sft[:, 1:],
     }

@@ -172,6 +172,8 @@ class TorchBackend(TrainerBackend):
             tis_cap=self.cfg.tis_cap,
             ref_logp=ref_logp,
             kl_coef=self.cfg.kl_coef,
+            sft_mask=t.get("sft_mask"),
+            sft_coef=self.cfg.sft_coef,
         )
 
     @torch.no_grad()

@@ -7,7 +7,11 @@ Parts (one module each, wired here and nowhere else):
 - groups.GroupAssembler     complete groups from the stream (deadline, late members)
 - filters.decide_group      failed / zero-variance / stale / overlong members, advantages
 - caps                      per-run transition caps (turn tokens, turns per trajectory)
-- advantages                GRPO, Dr.GRPO, RLOO (one scalar per trajectory)
+- advantages                GRPO, Dr.GRPO, RLOO (one scalar per trajectory); turn_* (one per
+                            turn, from turn-level rewards)
+- sft                       SFT from the run's own successful trajectories (trainer.sft)
+- distill                   on-policy distillation: a teacher endpoint's logprobs become the
+                            per-token advantage (trainer.distill_url)
 - sequences                 turns -> merged, masked samples; padding and micro-batches
 - backend (torch | verl)    the model, the loss (losses.py) and the optimizer
 - checkpoint.CheckpointStore model + optimizer + RNG + this commit's done delta, write-then-
@@ -46,16 +50,18 @@ from squall.monitor.metrics import standard_metrics
 from squall.shared import bus, dataend, durability, schemas
 from squall.shared.config import RunConfig
 from squall.shared.heartbeat import HeartbeatWriter
-from squall.shared.keys import EVENTS_MAXLEN, GROUP_TRAINER, METRICS_MAXLEN, Keys
+from squall.shared.keys import EVENTS_MAXLEN, METRICS_MAXLEN, Keys, trainer_group
 from squall.shared.ledger import FilterReason, Ledger
 from squall.shared.logs import get_logger
 from squall.shared.redisconn import connect
 from squall.shared.retry import REDIS_ERRORS, RedisOutage
+from squall.shared.roles import DEFAULT_ROLE, trainer_field
 from squall.tracking.otel import tracer_for
 
-from . import distributed
+from . import distill, distributed, sft
 from .backend import TrainerBackend, make_backend
-from .bookkeeping import Bookkeeping, Seen, ledger_moves
+from .bookkeeping import Bookkeeping, Sealed, Seen, ledger_moves
+from .cadence import CheckpointCadence, resume_version
 from .caps import TurnCaps
 from .checkpoint import CheckpointStore, DoneDelta, TrainerState
 from .filters import GroupDecision, decide_group
@@ -72,9 +78,16 @@ TRAINED_LOG = "trained.jsonl"  # one line per durable step: {"step", "version", 
 
 class Trainer:
     def __init__(
-        self, config: RunConfig, backend: str | None = None, leader: distributed.Leader | None = None
+        self,
+        config: RunConfig,
+        backend: str | TrainerBackend | None = None,
+        leader: distributed.Leader | None = None,
+        *,
+        role: str = DEFAULT_ROLE,
     ) -> None:
         self.config, self.cfg = config, config.trainer
+        # One trained role (multirole.py runs one Trainer per role, each with its own group).
+        self.role, self.group = role, trainer_group(role)
         self.keys = Keys(config.run.name)
         self.run_dir = Path(config.run.dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -84,7 +97,7 @@ class Trainer:
         self.consumer = bus.GroupConsumer(
             self.r,
             self.keys.trajectories,
-            GROUP_TRAINER,
+            self.group,
             self.cfg.consumer,
             kind=schemas.Trajectory,
             deadletter_stream=self.keys.deadletter,
@@ -92,7 +105,11 @@ class Trainer:
         self.leader = leader  # rank 0 of several: the other ranks make every backend call with us
         self.store = CheckpointStore(self.run_dir / "checkpoints", leader.world.world_size if leader else 1)
         latest = self.store.latest()  # a checkpoint of another world size fails here, before the model loads
-        self.backend: TrainerBackend = make_backend(backend or self.cfg.backend, config)
+        self.backend: TrainerBackend = (
+            backend
+            if isinstance(backend, TrainerBackend)
+            else make_backend(backend or self.cfg.backend, config)
+        )
         if leader is not None:
             self.backend = distributed.LeaderBackend(self.backend, leader)
         self.publisher = Publisher(
@@ -104,6 +121,7 @@ class Trainer:
             shard_bytes=self.cfg.weights_shard_mb << 20,
             write_threads=self.cfg.weights_write_threads,
             adapter_config=self.backend.adapter_config(),
+            role=role,
         )
         self.state = TrainerState()
         if latest is not None:
@@ -112,6 +130,11 @@ class Trainer:
         self.books = Bookkeeping(
             self.state, group_wait_s=self.cfg.group_wait_s, max_attempts=config.scheduler.max_attempts
         )
+        self.sft = sft.SftSelector(self.cfg.sft, self.cfg.sft_threshold)
+        self.teacher = distill.connect(config)  # None without trainer.distill_url; refuses another tokenizer
+        self.distill_metrics: dict[str, float] = {}
+        cfg = self.cfg
+        self.cadence = CheckpointCadence(cfg.checkpoint_every, cfg.checkpoint_every_s, cfg.checkpoint_idle_s)
         self.stopping = False
         self.wait_started = time.perf_counter()
         self.dead_lettered = 0
@@ -161,6 +184,7 @@ class Trainer:
                         break
                     self._work_once()
                 except REDIS_ERRORS as exc:  # uncommitted work is still in the pending list
+                    self._checkpoint_deferred()  # the model is ahead of the checkpoint: catch it up
                     self.outage.wait(self.r, exc, where="trainer loop")
                     recovering = True
         finally:  # other exceptions propagate uncommitted: a restart replays from the checkpoint
@@ -172,8 +196,10 @@ class Trainer:
         announce the current version, re-read own pending entries (those a checkpoint covers
         get their ledger moves again and are acked)."""
         self.books.reset()
-        bus.ensure_group(self.r, self.keys.trajectories, GROUP_TRAINER)
+        bus.ensure_group(self.r, self.keys.trajectories, self.group)
         self._detect_lost_writes()
+        if resume_version(self.state, self.publisher.published_version()):
+            self.log.warning("version_past_lost_steps", version=self.state.version, step=self.state.step)
         self._ensure_published()
         if announce:
             self._event("started", step=self.state.step, version=self.state.version)
@@ -187,8 +213,9 @@ class Trainer:
             self.leader.idle()  # the other ranks wait for our next command with a deadline
         deadline = self.books.assembler.next_deadline_s()
         block_ms = READ_BLOCK_MS if deadline is None else max(1, min(READ_BLOCK_MS, int(deadline * 1000)))
-        end = dataend.read(self.r, self.keys)  # before the read: see _train_the_rest
+        end = self._data_end()  # before the read: see _train_the_rest
         deliveries = self.consumer.read(READ_COUNT, block_ms=block_ms)
+        self.cadence.read(bool(deliveries))
         self._handle(deliveries)
         self.books.collect(self._decide)
         decisions = self.books.take_ready(self.cfg.groups_per_step)
@@ -196,7 +223,7 @@ class Trainer:
             self._step(decisions)
         elif not deliveries and end.owed_by_trainer:
             self._train_the_rest()
-        elif not deliveries and self.books.uncommitted():
+        elif not deliveries and self.books.uncommitted() and self.cadence.due_when_quiet():
             # The stream went quiet with filtered groups uncommitted: commit them now. The
             # scheduler holds a group until the trainer has consumed it, so waiting for the
             # next step could wait forever (all in-flight groups held).
@@ -219,9 +246,15 @@ class Trainer:
         if self.state.version_step < self.state.step:  # steps since the last publication (publish_every > 1)
             self._commit(bump=True)
             self.publisher.publish(self.state.version, self.state.step, self.backend.weights())
-        dataend.announce_trained(self.r, self.keys, self.state.version, self.state.step)
+        self._announce_trained()
         self._event("data_trained", version=self.state.version, step=self.state.step)
         self.log.info("data_trained", version=self.state.version, step=self.state.step)
+
+    def _data_end(self) -> dataend.DataEnd:
+        return dataend.read(self.r, self.keys)
+
+    def _announce_trained(self) -> None:
+        dataend.announce_trained(self.r, self.keys, self.state.version, self.state.step)
 
     def _flush(self) -> None:
         if self.books.uncommitted():  # filtered/late work seen since the last step
@@ -288,11 +321,11 @@ class Trainer:
             entry_id=delivery.entry_id,
             reason=reason,
             raw=schemas.encode(traj),
-            group=GROUP_TRAINER,
+            group=self.group,
             pipe=pipe,
         )
         self.ledger.apply("reject", [traj.key], pipe=pipe)
-        pipe.xack(self.keys.trajectories, GROUP_TRAINER, delivery.entry_id)
+        pipe.xack(self.keys.trajectories, self.group, delivery.entry_id)
         pipe.execute()
         self.dead_lettered += 1
         self.metrics.deadlettered.labels(source="trajectories").inc()
@@ -300,6 +333,7 @@ class Trainer:
 
     def _decide(self, group: CompleteGroup) -> GroupDecision:
         caps = TurnCaps(self.cfg.max_turn_tokens, self.cfg.max_turns_per_trajectory, self.config.run.seed)
+        sft_on = sft.active(self.sft, self.state.step, self.cfg.sft_until_step)
         decision = decide_group(
             group.group_id,
             [m.trajectory for m in group.members],
@@ -309,7 +343,11 @@ class Trainer:
             max_seq_len=self.cfg.max_seq_len,
             advantage=self.cfg.advantage,
             caps=caps,
+            turn_gamma=self.cfg.turn_gamma,
+            keep_zero_variance=sft_on or self.teacher is not None,
         )
+        if sft_on:
+            self.sft.mark(decision)
         self.books.pending.counts.update(decision.capped)  # capped:<cap> in the next commit's metrics
         return decision
 
@@ -325,7 +363,15 @@ class Trainer:
         train_s = time.perf_counter() - train_start
         publish_start, trained_at = time.perf_counter(), time.time()
         bump = bool(samples) and (last or self.state.step % self.cfg.publish_every == 0)
-        counts = self._commit(bump=bump)
+        if bump:
+            self.state.version += 1
+            self.state.version_step = self.state.step
+        if samples:
+            self.books.stepped(self.state.step, self.state.version)
+            self.cadence.stepped()
+        counts = self.books.take_counts()
+        if last or self.cadence.due_after_step() or (not samples and not self.cadence.steps_since):
+            self._commit(bump=False)  # else deferred: entries stay pending (cadence.py)
         if bump:
             self.publisher.publish(self.state.version, self.state.step, self.backend.weights())
             self.publisher.prune()
@@ -361,9 +407,17 @@ class Trainer:
         mask_truncated = self.cfg.overlong == "mask"
         for decision in decisions:
             for traj in decision.train:
-                got = trajectory_to_samples(
-                    traj, advantage=decision.advantages[traj.key], mask_truncated=mask_truncated, stats=stats
-                )
+                got = []
+                if traj.key in decision.advantages or self.teacher is not None:
+                    got = trajectory_to_samples(
+                        traj,
+                        advantage=decision.advantages.get(traj.key, 0.0),
+                        mask_truncated=mask_truncated,
+                        stats=stats,
+                        turn_advantages=decision.turn_advantages.get(traj.key),
+                    )
+                if traj.key in decision.sft:
+                    got += sft.sft_samples(traj, mask_truncated=mask_truncated, stats=stats)
                 if sum(s.trained_tokens for s in got) == 0:
                     reason = FilterReason.OVERLONG if mask_truncated else FilterReason.NO_TRAINED_TOKENS
                     self.books.drop(traj.key, reason)
@@ -371,6 +425,10 @@ class Trainer:
                 samples.extend(got)
                 self.books.train(traj.key)
             self.books.close(decision)
+        if self.teacher is not None and samples:
+            self.distill_metrics = distill.apply(
+                samples, self.teacher, coef=self.cfg.distill_coef, reward_coef=self.cfg.distill_reward_coef
+            )
         return samples, stats
 
     def _commit(self, *, bump: bool) -> Counter:
@@ -379,13 +437,27 @@ class Trainer:
         if bump:
             self.state.version += 1
             self.state.version_step = self.state.step
+        sealed = self._checkpoint()
+        self._settle(sealed.done, sealed.entry_ids)
+        return sealed.counts
+
+    def _checkpoint(self) -> Sealed:
+        """Seal the next commit (every step since the last checkpoint) and write it durably:
+        the checkpoint, then its steps in trained.jsonl. Local files only."""
         self.state.commit += 1
         sealed = self.books.seal(self.state.step)
         self.store.save(self.state, self.backend.save_state, sealed.done)
-        if sealed.done.trained:  # local and durable before any Redis write that may fail
-            self._append_trained_log(self.state.step, list(sealed.done.trained))
-        self._settle(sealed.done, sealed.entry_ids)
-        return sealed.counts
+        self.cadence.checkpointed()
+        for step, version, keys in sealed.steps:  # local and durable before any Redis write that may fail
+            self._append_trained_log(step, version, keys)
+        return sealed
+
+    def _checkpoint_deferred(self) -> None:
+        """Redis went away with steps deferred: the model holds updates no checkpoint covers and
+        the recovery forgets what is not durable, so make them durable now; the recovery then
+        settles their entries from the done set like after a crash."""
+        if self.cadence.steps_since and not self.books.pending.trained:
+            self._checkpoint()
 
     def _settle(self, done: DoneDelta, entry_ids: list[str]) -> None:
         """Ledger moves and acks for entries a durable checkpoint covers, in one transaction
@@ -394,7 +466,7 @@ class Trainer:
         for name, reason, keys in ledger_moves(done):
             self.ledger.apply(name, keys, reason=reason, pipe=pipe)
         if entry_ids:
-            pipe.xack(self.keys.trajectories, GROUP_TRAINER, *entry_ids)
+            pipe.xack(self.keys.trajectories, self.group, *entry_ids)
         pipe.hset(self.keys.durable, "trainer_commit", self.state.commit)
         pipe.execute()
         if self.config.run.redis_waitaof:  # the acks may not be lost to a host crash once we go on
@@ -433,7 +505,10 @@ class Trainer:
         self, decisions: list[GroupDecision], samples: list[Sample], stats: SplitStats, counts: Counter
     ) -> dict[str, float]:
         rewards = np.asarray([r for d in decisions for r in d.rewards], dtype=np.float64)
-        adv = np.asarray([d.advantages[t.key] for d in decisions for t in d.train], dtype=np.float64)
+        adv = np.asarray(
+            [d.advantages[t.key] for d in decisions for t in d.train if t.key in d.advantages],
+            dtype=np.float64,
+        )
         out: dict[str, float] = {
             "reward_mean": float(rewards.mean()) if rewards.size else 0.0,
             "reward_std": float(rewards.std()) if rewards.size else 0.0,
@@ -443,11 +518,13 @@ class Trainer:
             "groups": float(len(decisions)),
             "trajectories": float(sum(len(d.train) for d in decisions)),
             "samples": float(len(samples)),
+            "sft_samples": float(sum(s.sft for s in samples)),
             "merged_turns": float(stats.merged_turns),
             "turn_mismatches": float(stats.mismatches),
             "masked_truncated_turns": float(stats.masked_truncated),
             "dead_lettered_total": float(self.dead_lettered + self.consumer.dead_lettered),
         }
+        out.update(self.distill_metrics)
         for name, value in counts.items():
             out[name] = float(value)
         for staleness, n in Counter(s for d in decisions for s in d.staleness).items():
@@ -456,7 +533,7 @@ class Trainer:
 
     def _emit_metrics(self, values: dict[str, float]) -> None:
         message = schemas.Metrics(
-            run=self.keys.run, step=self.state.step, version=self.state.version, values=values
+            run=self.keys.run, step=self.state.step, version=self.state.version, values=values, role=self.role
         )
         bus.publish(self.r, self.keys.metrics, message, maxlen=METRICS_MAXLEN)
         line = {"step": self.state.step, "version": self.state.version, "time": message.time, **values}
@@ -472,9 +549,9 @@ class Trainer:
             train_s=round(values["time/train_s"], 3),
         )
 
-    def _append_trained_log(self, step: int, keys: list[str]) -> None:
+    def _append_trained_log(self, step: int, version: int, keys: list[str]) -> None:
         with open(self.run_dir / TRAINED_LOG, "ab") as handle:
-            handle.write(orjson.dumps({"step": step, "version": self.state.version, "keys": keys}) + b"\n")
+            handle.write(orjson.dumps({"step": step, "version": version, "keys": keys}) + b"\n")
             handle.flush()
             os.fsync(handle.fileno())
 
@@ -505,7 +582,7 @@ class Trainer:
     def _observe_state(self) -> None:
         """Prometheus gauges of the durable state (after start, resume and every step)."""
         self.metrics.trainer_step.set(self.state.step)
-        self.metrics.weight_version.labels(role="trainer").set(self.state.version)
+        self.metrics.weight_version.labels(role=trainer_field(self.role)).set(self.state.version)
 
     def _heartbeat(self) -> None:
         self.heartbeat.beat(
@@ -530,6 +607,10 @@ def run(config: RunConfig, backend: str | None = None) -> int:
     group is set up already): rank 0 runs the Trainer, the others follow it; whatever ends
     rank 0 (max_steps, SIGTERM, an error) is sent to them as a stop, and every rank leaves
     the process group."""
+    if config.roles:  # several trained roles: one process, one Trainer per role (multirole.py)
+        from .multirole import run_roles
+
+        return run_roles(config)
     world = distributed.init_world(config.trainer.device, config.trainer.collective_timeout_s)
     if not world.distributed:
         return run_trainer(config, backend)
@@ -576,6 +657,15 @@ def _stop_followers(leader: distributed.Leader, ok: bool) -> None:
         get_logger(service="trainer").warning("ranks_not_stopped", error=str(exc)[:300])
 
 
+def record_stop_signals() -> list[int]:
+    """SIGTERM and SIGINT from now on only append to the returned list: a stop that comes
+    while the model loads is kept, and acted on once the trainer exists."""
+    early_stop: list[int] = []
+    _on_signal(signal.SIGTERM, lambda signum, _frame: early_stop.append(signum))
+    _on_signal(signal.SIGINT, lambda signum, _frame: early_stop.append(signum))
+    return early_stop
+
+
 def run_trainer(
     config: RunConfig, backend: str | None = None, leader: distributed.Leader | None = None
 ) -> int:
@@ -583,9 +673,7 @@ def run_trainer(
     SIGTERM/SIGINT; /ready answers 200 only between the model being loaded and a stop."""
     from squall.monitor.health import start_health_server
 
-    early_stop: list[int] = []  # a signal that came while the model was loading
-    _on_signal(signal.SIGTERM, lambda signum, _frame: early_stop.append(signum))
-    _on_signal(signal.SIGINT, lambda signum, _frame: early_stop.append(signum))
+    early_stop = record_stop_signals()  # a signal that came while the model was loading
     built: list[Trainer] = []
     health, port = start_health_server(
         config.trainer.metrics_host,

@@ -98,7 +98,7 @@ def to_verl_batch(samples: Sequence[Sample], pad_id: int) -> dict[str, torch.Ten
         attn[b, prompt_len : prompt_len + n] = 1
         resp_mask[b, :n] = s.loss_mask[f:]
         old_lp[b, :n] = s.behaviour_logprobs[f:]
-        adv[b, :n] = s.advantage * s.loss_mask[f:]
+        adv[b, :n] = s.token_advantages()[f:] * s.loss_mask[f:]
     position = np.clip(np.cumsum(attn, axis=1) - 1, 0, None)
     return {
         "input_ids": torch.from_numpy(ids),

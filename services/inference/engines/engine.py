@@ -14,7 +14,12 @@ Contract (both backends):
   token (special tokens kept, so `<tool_call>` survives), cut before the first stop string.
 - `apply_weights(version, path)` loads a safetensors state dict and starts serving it between
   requests; it raises WeightsError (old weights kept) when the file cannot be loaded.
-  `apply_adapter(version, folder)` does the same for a LoRA adapter on the base model.
+  `apply_adapter(version, folder, role)` does the same for a LoRA adapter of `role` on the
+  base model: the role's new requests get it; other roles keep theirs.
+- Roles (shared.roles): `generate(..., role=, version=)` serves that role's version (None: its
+  newest at admission; version 0 of a role is the base model). `catalog` (weights/catalog.py)
+  holds what the `weights` stream announced per role; `prepare(role, version)` makes a version
+  servable before its request is queued (ModelUnavailable when it cannot be).
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from squall.inference.weights.catalog import AdapterCatalog, ModelUnavailable
 from squall.shared.config import InferenceSection
+from squall.shared.roles import DEFAULT_ROLE
 
 BACKENDS = ("torch", "vllm")
 
@@ -61,6 +68,21 @@ class Engine(abc.ABC):
     tokenizer: Any  # a transformers tokenizer with the model's chat template
     max_model_len: int  # prompt plus completion tokens
     max_batch: int  # most sequences sampled at once; a request's n may not exceed it
+    catalog: AdapterCatalog  # per role: announced versions and the newest served
+
+    def served_versions(self) -> dict[str, int]:
+        """Role -> the version a request for the bare role name gets now."""
+        return dict(self.catalog.newest)
+
+    async def prepare(self, role: str, version: int | None) -> None:
+        """Make `role`'s `version` (None: the newest) servable, or raise ModelUnavailable.
+        The default serves only each role's newest version."""
+        if version is not None and version != self.catalog.newest.get(role, 0):
+            raise ModelUnavailable(
+                404,
+                f"model {role}@{version}: this {self.backend} engine serves only the newest version of "
+                f"role {role!r} ({self.catalog.newest.get(role, 0)})",
+            )
 
     @property
     @abc.abstractmethod
@@ -77,20 +99,32 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def generate(
-        self, prompt_ids: list[int], params: SamplingParams, *, stream: bool
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        stream: bool,
+        role: str = DEFAULT_ROLE,
+        version: int | None = None,
     ) -> AsyncIterator[Delta]:
-        """Sample `params.n` choices for `prompt_ids`; see the module docstring."""
+        """Sample `params.n` choices for `prompt_ids` with `role`'s weights; see the module docstring."""
 
     @abc.abstractmethod
     async def apply_weights(self, version: int, path: str) -> None:
         """Serve the safetensors state dict at `path` as `version`, between requests."""
 
     @abc.abstractmethod
-    async def apply_adapter(self, version: int, folder: str) -> None:
+    async def apply_adapter(self, version: int, folder: str, role: str = DEFAULT_ROLE) -> None:
         """Serve the base model (the one the engine started with) with the LoRA adapter in
-        `folder` (peft layout, shared.adapterfiles) as `version`; the previous adapter is
-        replaced, not stacked. Same rules as apply_weights: never under a running request,
+        `folder` (peft layout, shared.adapterfiles) as `role`'s `version`; the role's previous
+        adapter is replaced, not stacked; other roles are untouched. Same rules as apply_weights: never under a running request,
         WeightsError (old version kept) when the adapter cannot be applied."""
+
+    async def prompt_logprobs(self, prompt_ids: list[int]) -> list[float | None]:
+        """log p(prompt[t] | prompt[:t]) for every position (None at 0), under the weights
+        served now: what the `prompt_logprobs` request field returns (on-policy distillation
+        scores a student's sequences with it, trainer/distill.py)."""
+        raise NotImplementedError(f"the {self.backend} engine does not compute prompt logprobs")
 
     def stats(self) -> dict[str, int]:
         """For /metrics: `running` sequences, `waiting` requests, and running totals of

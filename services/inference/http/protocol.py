@@ -96,6 +96,9 @@ class ChatRequest(_Sampling):
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=1)  # 0/1/true: the sampled token's logprob
+    # vLLM's field: 0 gives each prompt token's own logprob (no alternatives), in
+    # choices[i].prompt_logprobs as [None, {"<id>": {"logprob", "rank", "decoded_token"}}, ...].
+    prompt_logprobs: int | None = Field(None, ge=0, le=0)
     echo: Literal[False] = False
     suffix: None = None
 

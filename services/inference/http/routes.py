@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from squall.inference.engines.engine import Delta, SamplingParams
 from squall.inference.http.protocol import ApiError, ChatRequest, CompletionRequest, parse
-from squall.inference.http.state import ServerState
+from squall.inference.http.state import ServerState, model_error
 from squall.inference.prompt import NoChatTemplate
 from squall.inference.toolcalls import (
     ToolError,
@@ -29,6 +29,7 @@ from squall.inference.toolcalls import (
     resolve_tool_choice,
     validate_tools,
 )
+from squall.inference.weights.catalog import ModelUnavailable
 
 from . import render
 
@@ -50,19 +51,28 @@ async def prometheus(_: Request, state: ServerState) -> Response:
 
 
 async def models(_: Request, state: ServerState) -> Response:
-    card = {
-        "id": state.model_name,
-        "object": "model",
-        "created": 0,
-        "owned_by": "squall",
-        "max_model_len": state.engine.max_model_len,
-    }
-    return render.json_response({"object": "list", "data": [card]})
+    """The served name (the `policy` role), then each other trained role, with the version a
+    request for it gets now."""
+    served = state.engine.served_versions()
+    names = [(state.model_name, served.get("policy", 0))]
+    names += [(role, v) for role, v in sorted(served.items()) if role != "policy"]
+    cards = [
+        {
+            "id": name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "squall",
+            "max_model_len": state.engine.max_model_len,
+            "weight_version": version,
+        }
+        for name, version in names
+    ]
+    return render.json_response({"object": "list", "data": cards})
 
 
 async def chat_completions(request: Request, state: ServerState) -> Response:
     req: ChatRequest = parse(ChatRequest, await body_of(request))
-    state.check_model(req.model)
+    role, version = await state.resolve_model(req.model)
     prompt_ids, prefix, choice = chat_prompt(state, req)
     params = sampling(state, req, len(prompt_ids), req.max_completion_tokens or req.max_tokens)
     state.metrics.prompt_tokens.inc(len(prompt_ids))
@@ -79,7 +89,7 @@ async def chat_completions(request: Request, state: ServerState) -> Response:
         parser=state.chat_format.parser,
         on_parse_failure=state.metrics.tool_parse_failures.inc,
     )
-    stream = state.engine.generate(prompt_ids, params, stream=req.stream)
+    stream = state.engine.generate(prompt_ids, params, stream=req.stream, role=role, version=version)
     if req.stream:
         first = await anext(stream)
         include_usage = bool((req.stream_options or {}).get("include_usage"))
@@ -94,10 +104,11 @@ async def chat_completions(request: Request, state: ServerState) -> Response:
 
 async def completions(request: Request, state: ServerState) -> Response:
     req: CompletionRequest = parse(CompletionRequest, await body_of(request))
-    state.check_model(req.model)
+    role, version = await state.resolve_model(req.model)
     prompt_ids = completion_prompt(state, req)
     params = sampling(state, req, len(prompt_ids), 16 if req.max_tokens is None else req.max_tokens)
     state.metrics.prompt_tokens.inc(len(prompt_ids))
+    scored = await prompt_scores(state, req, prompt_ids)
     reply = render.Reply(
         meta={"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": req.model},
         node=state.node,
@@ -106,14 +117,40 @@ async def completions(request: Request, state: ServerState) -> Response:
         logprobs=req.logprobs is not None,
         return_token_ids=req.return_token_ids,
     )
-    stream = state.engine.generate(prompt_ids, params, stream=req.stream)
+    stream = state.engine.generate(prompt_ids, params, stream=req.stream, role=role, version=version)
     if req.stream:
         first = await anext(stream)
         chunks = render.text_chunks(reply, first, stream, on_done=state.metrics.generated_tokens.inc)
         return render.event_stream(first.weight_version, chunks, stream)
     choices, version = await collect(stream, params.n, request)
     state.metrics.generated_tokens.inc(render.completion_tokens(choices))
-    return render.text_completion(reply, choices, version)
+    response = render.text_completion(reply, choices, version)
+    if scored is None:
+        return response
+    body = orjson.loads(response.body)
+    for choice in body["choices"]:
+        choice["prompt_logprobs"] = scored
+    return render.json_response(body)
+
+
+async def prompt_scores(
+    state: ServerState, req: CompletionRequest, prompt_ids: list[int]
+) -> list[Any] | None:
+    """`prompt_logprobs` as vLLM writes it, or None when not asked for."""
+    if req.prompt_logprobs is None:
+        return None
+    if req.stream:
+        raise ApiError(400, "prompt_logprobs needs stream = false", param="prompt_logprobs")
+    try:
+        logprobs = await state.engine.prompt_logprobs(prompt_ids)
+    except NotImplementedError as exc:
+        raise ApiError(400, str(exc), param="prompt_logprobs") from None
+    return [
+        None
+        if lp is None
+        else {str(t): {"logprob": lp, "rank": None, "decoded_token": state.token_texts(t)[0]}}
+        for t, lp in zip(prompt_ids, logprobs, strict=True)
+    ]
 
 
 ROUTES: list[tuple[str, str, Handler]] = [
@@ -127,6 +164,11 @@ ROUTES: list[tuple[str, str, Handler]] = [
 
 async def api_error(_: Request, exc: ApiError) -> Response:
     return render.error_response(exc)
+
+
+async def model_unavailable(_: Request, exc: ModelUnavailable) -> Response:
+    # the engine found at admission that the version is gone (e.g. its slot was reused): retryable
+    return render.error_response(model_error(exc))
 
 
 async def server_error(_: Request, exc: Exception) -> Response:

@@ -26,6 +26,7 @@ from squall.inference.http.protocol import ApiError
 from squall.inference.http.render import VERSION_HEADER
 from squall.inference.http.state import ServerState
 from squall.inference.node_metrics import InferenceMetrics
+from squall.inference.weights.catalog import ModelUnavailable
 
 from . import routes
 
@@ -58,6 +59,7 @@ def create_app(
     metrics.watch_engine(engine.stats)
     app.add_middleware(Gate, api_key=api_key, metrics=metrics)
     app.add_exception_handler(ApiError, routes.api_error)  # type: ignore[arg-type]
+    app.add_exception_handler(ModelUnavailable, routes.model_unavailable)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, routes.server_error)
     for method, path, handler in routes.ROUTES:
         app.add_api_route(path, _bound(handler, state), methods=[method])

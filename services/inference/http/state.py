@@ -12,6 +12,7 @@ from squall.inference.http.protocol import ApiError
 from squall.inference.http.render import TokenTexts
 from squall.inference.node_metrics import InferenceMetrics
 from squall.inference.prompt import ChatFormat
+from squall.inference.weights.catalog import ModelUnavailable
 
 
 @dataclass
@@ -42,11 +43,16 @@ class ServerState:
             self._chat_format = ChatFormat(self.tokenizer, self.tool_parser, self.chat_template)
         return self._chat_format
 
-    def check_model(self, name: str) -> None:
-        if name != self.model_name:
-            raise ApiError(
-                404,
-                f"model {name!r} is not served here; this node serves {self.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
+    async def resolve_model(self, name: str) -> tuple[str, int | None]:
+        """The (role, version or None: newest) a request's `model` names, made servable by the
+        engine; ApiError naming the model, the version and what exists when it cannot be."""
+        try:
+            role, version = self.engine.catalog.resolve(name, self.model_name)
+            await self.engine.prepare(role, version)
+        except ModelUnavailable as exc:
+            raise model_error(exc) from None
+        return role, version
+
+
+def model_error(exc: ModelUnavailable) -> ApiError:
+    return ApiError(exc.status, exc.message, param="model", code="model_not_found")

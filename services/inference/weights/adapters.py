@@ -102,6 +102,19 @@ def merged(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, config: dict)
     return (weight.float() + (delta.T if config.get("fan_in_fan_out") else delta)).to(weight.dtype)
 
 
+def adapted_module(
+    base: torch.nn.Module, name: str, a: torch.Tensor, b: torch.Tensor, config: dict[str, Any], folder: Path
+) -> torch.nn.Module:
+    """The module of `base` the adapter's pair (A, B) for `name` adapts, checked to fit it;
+    WeightsError naming the adapter when the base lacks it or the shapes disagree."""
+    try:
+        module = base.get_submodule(name)
+    except AttributeError:
+        raise WeightsError(f"load: adapter {folder} adapts {name!r}, which the base model lacks") from None
+    check_fits(name, a, b, getattr(module, "weight", None), config, folder)
+    return module
+
+
 def merged_copy(base: torch.nn.Module, folder: str | Path) -> torch.nn.Module:
     """A copy of `base` serving the adapter in `folder`; `base` is left untouched. Raises
     WeightsError when the adapter does not fit the base (a module it lacks, a shape)."""
@@ -109,14 +122,7 @@ def merged_copy(base: torch.nn.Module, folder: str | Path) -> torch.nn.Module:
     pairs, config = read_adapter(folder)
     targets: dict[str, torch.Tensor] = {}  # module name -> its base weight
     for name, (a, b) in pairs.items():
-        try:
-            module = base.get_submodule(name)
-        except AttributeError:
-            raise WeightsError(
-                f"load: adapter {folder} adapts {name!r}, which the base model lacks"
-            ) from None
-        check_fits(name, a, b, getattr(module, "weight", None), config, folder)
-        targets[name] = module.weight
+        targets[name] = adapted_module(base, name, a, b, config, folder).weight
     adapted = {id(w) for w in targets.values()}
     shared = {id(t): t for t in [*base.parameters(), *base.buffers()] if id(t) not in adapted}
     model = copy.deepcopy(base, memo=shared)  # new tensors only for the adapted weights

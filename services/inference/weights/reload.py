@@ -1,14 +1,18 @@
-"""Hot weight reload: follow the `weights` stream and serve each new version.
+"""Hot weight reload: follow the `weights` stream and serve each role's new versions.
 
 Every node reads the whole stream (XREAD, no consumer group: each node must see every
-version). On start it loads the newest published version, if any, before serving; then it
-blocks on XREAD from that entry. Of a burst of versions only the newest is loaded. A version
+version). Each version names its role (WeightVersion.role; `policy` in a single-policy run)
+and the follower treats the roles apart: on start it loads each role's newest published
+version, if any, before serving; then it blocks on XREAD from the last entry. Of a burst only
+each role's newest is loaded. Every announced version is also told to the engine's catalog
+(weights/catalog.py), so a request may still name an older one by `role@version`. A version
 is loaded only after its file's sha256 (a sharded version: its index's, then each shard's
 against the index) matches the announced checksum; a missing, corrupt or mismatched file is
 logged and counted (`squall_inference_weight_errors_total{reason}`) and the node keeps
 serving the version it had. A LoRA version (format "lora") is an adapter the engine applies
-to the base model it started with (`Engine.apply_adapter`). On success it XADDs WeightApplied to
-`weights:applied` and sets `versions[inference:<node>]`. It also writes the node's heartbeat
+to the base model it started with (`Engine.apply_adapter`, with the role). On success it XADDs
+WeightApplied (with the role) to `weights:applied` and sets the role's `versions` field,
+`inference:<node>` for `policy`, `inference:<node>:<role>` for the others (shared.roles). It also writes the node's heartbeat
 (`inference:<node>`, through shared.heartbeat). While Redis does not answer, the node keeps
 serving and its reads and acknowledgements wait for Redis (shared.retry's one policy: logged,
 counted in `squall_inference_redis_errors_total`); past `run.redis_outage_s` the follower
@@ -16,8 +20,9 @@ raises RedisUnavailable and the node stops.
 
 A snapshot node (`inference.pin_version` K, or `inference.behind_versions` N) serves an older
 policy, e.g. an opponent for self-play, without a second model file: it remembers every
-version the stream announced (`Snapshot.choose` picks K, or the newest minus N) and loads only
-that one. A pinned node acknowledges in `versions` as `snapshot:<node>`, which keeps version
+version the stream announced, per role (`Snapshot.target` picks K, or the newest minus N, for
+each role) and loads only that one. A pinned node acknowledges in `versions` as
+`snapshot:<node>` (`snapshot:<node>:<role>` for roles other than policy), which keeps version
 K's file from being pruned without holding back the pruning of newer ones; a trailing node
 acknowledges as `inference:<node>` like any follower, so the versions it will move to next stay
 on disk. A pin on a version never published, or whose file is gone, stops the node at start
@@ -41,6 +46,7 @@ from squall.shared.errors import ConfigError, WeightsError
 from squall.shared.heartbeat import HeartbeatWriter
 from squall.shared.keys import WEIGHTS_APPLIED_MAXLEN, Keys
 from squall.shared.retry import REDIS_ERRORS, RedisOutage
+from squall.shared.roles import DEFAULT_ROLE, node_field
 from squall.shared.weightfiles import FORMAT_FILE, FORMAT_SHARDED, read_index, sha256_file
 
 BLOCK_MS = 2000  # longest XREAD wait; also the heartbeat interval
@@ -76,7 +82,7 @@ class Snapshot:
 
 
 class WeightFollower:
-    """Keeps one node's engine on the newest good weight version."""
+    """Keeps one node's engine on each role's newest good weight version (or its snapshot)."""
 
     def __init__(
         self,
@@ -95,67 +101,76 @@ class WeightFollower:
         self.snapshot = snapshot or Snapshot()
         self.beats = HeartbeatWriter(r, keys, "inference", node, every_s=BLOCK_MS / 1000)
         self.last_id = "0-0"  # the stream entry read last
-        self.published: dict[int, schemas.WeightVersion] = {}  # snapshot nodes: version -> announcement
+        # role -> version -> announcement; a follower needs only the newest, a snapshot node all
+        self.published: dict[str, dict[int, schemas.WeightVersion]] = {}
         self._stopping = False
-        self.acknowledged: int | None = None  # the version last written to `versions` by this process
+        self.acknowledged: dict[str, int] = {}  # role -> version last written to `versions` by this process
+
+    def serving(self, role: str) -> int:
+        """The version of `role` the engine serves to a request for the bare role name."""
+        if role == DEFAULT_ROLE:
+            return self.engine.weight_version
+        return self.engine.served_versions().get(role, 0)
 
     async def catch_up(self) -> None:
-        """Load the newest valid published version (a snapshot node: its version), if any; later
-        reads start after the last entry. Malformed entries on the way back are skipped and
-        counted. Whatever was loaded (or not), `versions` then says what the engine serves,
-        so a restarted node never inherits the version its predecessor acknowledged. A pin
-        that cannot be served raises ConfigError."""
-        if self.snapshot.following:
-            found = await weightstream.newest_valid_async(self.r, self.keys.weights, f"inference:{self.node}")
-            if found.skipped:
-                self.metrics.weight_errors.labels("message").inc(found.skipped)
-            if found.last_id is not None:
-                self.last_id = found.last_id
-            if found.version is not None:
-                await self.apply(found.version)
-        else:
-            self._remember(await self.r.xrange(self.keys.weights))
-            await self._serve_snapshot(at_start=True)
-        if self.acknowledged is None:  # nothing loaded: the model the node started with
-            await self._acknowledge(load_s=0.0)
+        """Load each role's newest valid published version (a snapshot node: its version of
+        each role), if any; later reads start after the last entry. Malformed entries are
+        skipped and counted. Whatever was loaded (or not), `versions` then says what the
+        engine serves per role, so a restarted node never inherits the version its predecessor
+        acknowledged. A pin that cannot be served raises ConfigError."""
+        self._remember(await self.r.xrange(self.keys.weights))
+        await self._serve_targets(at_start=True)
+        for role in {DEFAULT_ROLE, *self.published}:
+            if role not in self.acknowledged:  # nothing loaded: the model the node started with
+                await self._acknowledge(role, load_s=0.0)
         await self.heartbeat()
 
-    def _remember(self, entries: list) -> schemas.WeightVersion | None:
-        """Note the announced versions (snapshot nodes) and move last_id; returns the newest."""
-        newest = None
+    def _remember(self, entries: list) -> set[str]:
+        """Note the announced versions per role (and tell the engine's catalog, so older
+        versions on disk stay servable by `role@version`), move last_id; returns the roles
+        that got a new announcement."""
+        roles: set[str] = set()
         for entry_id, fields in entries:
             self.last_id = _text(entry_id)
             message = self._decode(self.last_id, fields)
             if message is None:
                 continue
-            if not self.snapshot.following:
-                self.published[message.version] = message
-            if newest is None or message.version > newest.version:
-                newest = message
-        return newest
+            self.published.setdefault(message.role, {})[message.version] = message
+            self.engine.catalog.announce(
+                message.role, message.version, message.location, message.checksum, message.format
+            )
+            roles.add(message.role)
+        return roles
 
-    async def _serve_snapshot(self, *, at_start: bool = False) -> None:
-        target = self.snapshot.target(sorted(self.published))
+    async def _serve_targets(self, *, at_start: bool = False, roles: set[str] | None = None) -> None:
+        for role in sorted(self.published if roles is None else roles):
+            await self._serve_role(role, at_start=at_start)
+
+    async def _serve_role(self, role: str, *, at_start: bool) -> None:
+        published = self.published.get(role, {})
+        target = self.snapshot.target(sorted(published))
         pin = self.snapshot.pin
-        if target is None and self.snapshot.pinned and not (pin == 0 and self.engine.weight_version == 0):
+        serving = self.serving(role)
+        of_role = "" if role == DEFAULT_ROLE else f" of role {role!r}"  # a single-policy run reads as before
+        if target is None and self.snapshot.pinned and not (pin == 0 and serving == 0):
             if at_start:
-                known = sorted(self.published)
+                known = sorted(published)
                 shown = f"{known[0]}..{known[-1]}" if known else "none yet"
                 raise ConfigError(
-                    f"inference.pin_version: version {pin} was never published on {self.keys.weights} "
-                    f"(published: {shown}); pin a published version, or trail the newest with "
-                    "inference.behind_versions"
+                    f"inference.pin_version: version {pin}{of_role} was never published on "
+                    f"{self.keys.weights} (published: {shown}); pin a published version, or trail the "
+                    "newest with inference.behind_versions"
                 )
             return
         if target is None:
             return  # the initial model (version 0): catch_up acknowledges what the engine serves
-        if target == self.engine.weight_version and not at_start:
+        if target == serving and not at_start:
             return
-        applied = await self.apply(self.published[target])
-        if at_start and self.snapshot.pinned and not applied and self.engine.weight_version != pin:
+        applied = await self.apply(published[target])
+        if at_start and self.snapshot.pinned and not applied and self.serving(role) != pin:
             raise ConfigError(
-                f"inference.pin_version: version {pin} cannot be loaded (file "
-                f"{self.published[pin].location} missing or corrupt; see the weights_rejected log "
+                f"inference.pin_version: version {pin}{of_role} cannot be loaded (file "
+                f"{published[pin].location} missing or corrupt; see the weights_rejected log "
                 "line); pin a version still on disk"
             )
 
@@ -172,11 +187,12 @@ class WeightFollower:
         await self.heartbeat()
         if not reply:
             return
-        newest = self._remember(reply[0][1])
-        if not self.snapshot.following:
-            await self._serve_snapshot()
-        elif newest is not None:
-            await self.apply(newest)
+        roles = self._remember(reply[0][1])
+        if self.snapshot.following:  # of a burst, only each role's newest is loaded
+            for role in sorted(roles):
+                await self.apply(self.published[role][max(self.published[role])])
+        else:
+            await self._serve_targets(roles=roles)
 
     def stop(self) -> None:
         self._stopping = True
@@ -188,40 +204,56 @@ class WeightFollower:
         return message
 
     async def apply(self, message: schemas.WeightVersion) -> bool:
-        """Verify and load one version; False (old version kept) when it cannot be used."""
-        current = self.engine.weight_version
+        """Verify and load one version of its role; False (old version kept) when it cannot be used."""
+        role = message.role
+        current = self.serving(role)
         if message.version < current:
-            log.info("weights_skipped", version=message.version, serving=current)
+            log.info("weights_skipped", role=role, version=message.version, serving=current)
             return False
         if message.version == current:
             # Already serving it (e.g. version 0 is the model we started with): still say so,
             # or the trainer would keep old files forever and status would show no version.
-            await self._acknowledge(load_s=0.0)
+            await self._acknowledge(role, load_s=0.0)
             return False
         start = time.monotonic()
         try:
             await asyncio.to_thread(self._verify, message)
             if message.format == FORMAT_LORA:
-                await self.engine.apply_adapter(message.version, message.location)
+                if role == DEFAULT_ROLE:  # the single-policy call, as before roles existed
+                    await self.engine.apply_adapter(message.version, message.location)
+                else:
+                    await self.engine.apply_adapter(message.version, message.location, role)
+            elif role != DEFAULT_ROLE:
+                raise WeightsError(
+                    f"format: version {message.version} of role {role!r} is {message.format!r}; a role "
+                    "other than policy is served as a LoRA adapter on the shared base"
+                )
             else:
                 await self.engine.apply_weights(message.version, message.location)
         except WeightsError as exc:
             reason = str(exc).split(":", 1)[0]
             self.metrics.weight_errors.labels(reason).inc()
             log.error(
-                "weights_rejected", version=message.version, serving=current, reason=reason, error=str(exc)
+                "weights_rejected",
+                role=role,
+                version=message.version,
+                serving=current,
+                reason=reason,
+                error=str(exc),
             )
-            if self.acknowledged != self.engine.weight_version:  # still the old one: make sure it is said
-                await self._acknowledge(load_s=0.0)
+            if self.acknowledged.get(role) != self.serving(role):  # still the old one: make sure it is said
+                await self._acknowledge(role, load_s=0.0)
             return False
         load_s = time.monotonic() - start
-        await self._acknowledge(load_s=load_s)
+        await self._acknowledge(role, load_s=load_s)
         self.metrics.weight_reloads.inc()
         self.metrics.reload_seconds.observe(load_s)
-        self.metrics.weight_version.set(message.version)
-        self.metrics.served_version.set(message.version)
+        if role == DEFAULT_ROLE:
+            self.metrics.weight_version.set(message.version)
+            self.metrics.served_version.set(message.version)
         log.info(
             "weights_applied",
+            role=role,
             version=message.version,
             step=message.step,
             previous=current,
@@ -229,14 +261,16 @@ class WeightFollower:
         )
         return True
 
-    async def _acknowledge(self, *, load_s: float) -> None:
-        """XADD WeightApplied and set our versions field to the version the engine serves now
-        (the one value /health reports too): the only writer of this node's field, called on
-        start and after every load, successful or not. Repeated after an outage, since the
-        stream entry that announced the version will not be read again."""
+    async def _acknowledge(self, role: str, *, load_s: float) -> None:
+        """XADD WeightApplied and set the role's versions field to the version the engine
+        serves now (for `policy`, the one value /health reports too): the only writer of this
+        node's fields, called on start and after every load, successful or not. Repeated after
+        an outage, since the stream entry that announced the version will not be read again."""
         applied = schemas.WeightApplied(
-            run=self.keys.run, node=self.node, version=self.engine.weight_version, load_s=load_s
+            run=self.keys.run, node=self.node, version=self.serving(role), load_s=load_s, role=role
         )
+        prefix = "snapshot" if self.snapshot.pinned else "inference"
+        field = prefix + node_field(self.node, role).removeprefix("inference")
         while True:
             try:
                 pipe = self.r.pipeline(transaction=False)
@@ -246,10 +280,9 @@ class WeightFollower:
                     maxlen=WEIGHTS_APPLIED_MAXLEN,
                     approximate=True,
                 )
-                role = "snapshot" if self.snapshot.pinned else "inference"
-                pipe.hset(self.keys.versions, f"{role}:{self.node}", applied.version)
+                pipe.hset(self.keys.versions, field, applied.version)
                 await pipe.execute()
-                self.acknowledged = applied.version
+                self.acknowledged[role] = applied.version
                 return
             except REDIS_ERRORS as exc:
                 if self._stopping:

@@ -1,0 +1,507 @@
+"""The race: squall (async), squall (synchronous) and TRL's GRPOTrainer train the same model on
+the same agent task on the same machine; one evaluator scores every checkpoint on held-out
+problems; the report is held-out reward against wall-clock time and the time to a target.
+
+    python benchmarks/race.py --minutes 15 --target 0.2 --out runs/race
+
+Contenders (each one command, run one after another so none shares the CPU with another):
+- squall_async: `squall up --config <task>/real.toml`, the task's own run file as it is;
+- squall_sync: the same with scheduler.max_dispatch_lag = 0 and trainer.max_sample_age = 0
+  (no rollout on weights older than the newest, no sample trained off-policy);
+- trl: benchmarks/race_trl.py in the TRL venv (`make trl-venv`), GRPOTrainer with the run
+  file's hyperparameters mapped onto GRPOConfig (`matched_params`).
+
+The task is a parameter (`--task`, a package like examples.calc_real): its tasks.generate makes
+the data, its agent (the agent, its tools and reward_of) drives training in squall, the TRL
+rollout (race_trl.py) and the evaluation, and its real.toml is squall's run file. Every
+contender's in-run validation is off; the shared evaluator (`Evaluator`) serves each checkpoint
+with `squall inference --no-follow` (the run file's inference section) and runs the task's own
+agent on the same held-out problems, one attempt each, sampled as in training.
+
+Checkpoints: squall keeps every published version (trainer.keep_versions raised), dated by its
+index file's mtime; TRL saves every --save-every steps (race_trl.py). Time is seconds from the
+contender's launch, model loading included. Per contender: generated tokens/s (both turns of
+every finished attempt: squall's kept rollouts, all of them kept; TRL's two generate calls),
+trainer-busy fraction (squall: train + publish seconds per wall second; TRL: step seconds less
+generation and scoring), peak RSS of the contender's whole process tree (Redis included for
+squall). The last line is `race: target=... squall_async_s=... ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import types
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+CONTENDERS = ("squall_async", "squall_sync", "trl")
+BASE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+)
+TEMPERATURE = 1.0  # what the calc agents sample at, in both turns
+SQUALL_BIN = Path(sys.executable).parent / "squall"
+
+
+def default_trl_python() -> str:
+    return os.environ.get("SQUALL_TRL_PYTHON", str(ROOT / ".venv-trl" / "bin" / "python"))
+
+
+# --- the task ------------------------------------------------------------------------------
+
+
+def task_run_file(task: str) -> Path:
+    return ROOT / task.replace(".", "/") / "real.toml"
+
+
+def write_data(task: str, out: Path, train: int, val: int, seed: int) -> tuple[Path, Path]:
+    """The task's own generator writes train.jsonl and val.jsonl under `out`."""
+    tasks = importlib.import_module(f"{task}.tasks")
+    out.mkdir(parents=True, exist_ok=True)
+    paths = out / "train.jsonl", out / "val.jsonl"
+    for path, split, n in zip(paths, ("train", "val"), (train, val), strict=True):
+        path.write_text("".join(json.dumps(row) + "\n" for row in tasks.generate(split, n, seed)))
+    return paths
+
+
+def matched_params(task: str) -> dict[str, Any]:
+    """The hyperparameters both trainers get: the task's squall run file as squall reads it (a
+    SQUALL_<SECTION>__<FIELD> variable overrides it for both trainers alike)."""
+    from squall.shared.config import load_config
+
+    cfg = load_config(task_run_file(task))
+    t = cfg.trainer
+    return {
+        "group_size": cfg.scheduler.group_size,
+        "groups_per_step": t.groups_per_step,
+        "lr": t.lr,
+        "clip_low": t.clip_low,
+        "clip_high": t.clip_high,
+        "kl_coef": t.kl_coef,
+        "grad_clip": t.grad_clip,
+        "gradient_checkpointing": t.gradient_checkpointing,
+        "lora_rank": t.lora_rank,
+        "lora_alpha": t.lora_alpha,
+        "lora_dropout": t.lora_dropout,
+        "lora_target_modules": list(t.lora_target_modules),
+        "chat_template": cfg.inference.chat_template,
+        "tool_parser": cfg.inference.tool_parser,
+        "temperature": TEMPERATURE,
+        "seed": cfg.run.seed,
+    }
+
+
+# --- measuring a process tree ----------------------------------------------------------------
+
+
+class TreeRss:
+    """Peak resident memory of a process and all its descendants, sampled twice a second."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.peak, self._stop = pid, 0, threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        import psutil
+
+        while not self._stop.is_set():
+            try:
+                root = psutil.Process(self.pid)
+                procs = [root, *root.children(recursive=True)]
+                total = 0
+                for proc in procs:
+                    try:
+                        total += proc.memory_info().rss
+                    except psutil.Error:
+                        pass
+                self.peak = max(self.peak, total)
+            except psutil.Error:
+                pass
+            self._stop.wait(0.5)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        return self.peak
+
+
+def run_logged(cmd: list[str], log: Path, env: dict[str, str], deadline_s: float) -> tuple[int, float, int]:
+    """Run `cmd` (niced like everything here) to its end or the deadline; (rc, wall s, peak RSS)."""
+    began = time.time()
+    with open(log, "w") as handle:
+        proc = subprocess.Popen(
+            ["nice", "-n", os.environ.get("RACE_NICE", "10"), *cmd], stdout=handle, stderr=subprocess.STDOUT,
+            env={**os.environ, **env}, cwd=ROOT, start_new_session=True,
+        )  # fmt: skip
+        rss = TreeRss(proc.pid)
+        try:
+            rc = proc.wait(timeout=deadline_s)
+        except subprocess.TimeoutExpired:
+            rc = stop_group(proc, grace_s=60)
+    return rc, time.time() - began, rss.stop()
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float) -> int:
+    """SIGTERM the process group `proc` leads, SIGKILL it after `grace_s`; its exit code. A
+    group already gone (the process exited on its own) is no error: its own failure is the
+    one worth reporting."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, None)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            return proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+    return proc.wait()
+
+
+# --- contenders ----------------------------------------------------------------------------
+
+
+def model_folder(base: Path, weights: Path, folder: Path) -> Path:
+    """A Hugging Face folder: `weights`' files (a squall version) beside the base's tokenizer and config."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for source in [*(base / n for n in BASE_FILES), *weights.iterdir()]:
+        link = folder / source.name
+        if source.is_file() and not link.exists():
+            link.symlink_to(source.resolve())
+    return folder
+
+
+def run_squall(name: str, args: argparse.Namespace, data: tuple[Path, Path], port: int) -> dict[str, Any]:
+    from squall.shared.weightfiles import version_dir
+
+    out = args.out / name
+    run_dir = out / "run"
+    env = {
+        "SQUALL_RUN__NAME": f"race-{name}",
+        "SQUALL_RUN__DIR": str(run_dir),
+        "SQUALL_RUN__REDIS_URL": f"redis://127.0.0.1:{port}/0",
+        "SQUALL_MODEL__PATH": str(args.model),
+        "SQUALL_SCHEDULER__DATASET": str(data[0]),
+        "SQUALL_SCHEDULER__VAL_DATASET": "",
+        "SQUALL_SCHEDULER__VAL_EVERY": "0",
+        "SQUALL_TRAINER__KEEP_VERSIONS": "100000",
+        "SQUALL_SCHEDULER__KEEP_ROLLOUTS_PER_VERSION": "1000000",  # every attempt, for its tokens
+        "SQUALL_TRAINER__MAX_STEPS": str(args.max_steps),
+    }
+    if name == "squall_sync":
+        env |= {"SQUALL_SCHEDULER__MAX_DISPATCH_LAG": "0", "SQUALL_TRAINER__MAX_SAMPLE_AGE": "0"}
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [str(SQUALL_BIN), "up", "--config", str(task_run_file(args.task)), "--minutes", str(args.minutes)]
+    began = time.time()
+    rc, wall, peak = run_logged(cmd, out / "log.txt", env, args.minutes * 60 + 300)
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    checkpoints = []
+    for m in metrics:
+        folder = version_dir(run_dir, int(m["version"]))
+        if folder.is_dir() and any(folder.iterdir()):
+            written = max(p.stat().st_mtime for p in folder.iterdir())
+            ckpt = model_folder(args.model, folder, out / f"ckpt-{int(m['step']):06d}")
+            checkpoints.append({"step": int(m["step"]), "time_s": written - began, "path": str(ckpt)})
+    busy = sum(m.get("time/train_s", 0.0) + m.get("time/publish_s", 0.0) for m in metrics)
+    return {
+        "name": name, "rc": rc, "wall_s": wall, "peak_rss": peak, "steps": len(metrics),
+        "checkpoints": checkpoints, "tokens_per_s": generated_tokens(run_dir) / wall,
+        "trained_tokens_per_s": sum(m.get("tokens", 0.0) for m in metrics) / wall,
+        "trainer_busy": busy / wall, "command": "squall up ... " + " ".join(f"{k}={v}" for k, v in env.items()),
+        "profile": squall_profile(metrics, wall),
+    }  # fmt: skip
+
+
+def generated_tokens(run_dir: Path) -> int:
+    """Tokens sampled in every finished attempt of the run (the scheduler keeps them all here)."""
+    from squall.monitor.rollouts import read_kept
+
+    return sum(len(turn.response_ids) // 4 for r in read_kept(run_dir) for turn in r.trajectory.turns)
+
+
+def squall_profile(metrics: list[dict], wall: float) -> dict[str, float]:
+    """Where the trainer's wall time went: waiting for groups, training, publishing."""
+    out = {k: sum(m.get(f"time/{k}", 0.0) for m in metrics) for k in ("wait_s", "train_s", "publish_s")}
+    out["wall_s"] = wall
+    return out
+
+
+def run_trl(args: argparse.Namespace, data: tuple[Path, Path]) -> dict[str, Any]:
+    out = args.out / "trl"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "checkpoints.jsonl").unlink(missing_ok=True)
+    cmd = [
+        args.trl_python, str(ROOT / "benchmarks" / "race_trl.py"), "--model", str(args.model),
+        "--data", str(data[0]), "--out", str(out), "--task", args.task, "--minutes", str(args.minutes),
+        "--max-steps", str(args.max_steps), "--save-every", str(args.save_every),
+        "--params", json.dumps(matched_params(args.task)), "--threads", str(args.trl_threads),
+    ]  # fmt: skip
+    offline = {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}  # everything it needs is local
+    rc, wall, peak = run_logged(cmd, out / "log.txt", offline, args.minutes * 60 + 300)
+    stats = json.loads((out / "stats.json").read_text()) if (out / "stats.json").is_file() else {}
+    train_s = max(stats.get("step_s", 0.0) - stats.get("gen_s", 0.0), 0.0)
+    return {
+        "name": "trl", "rc": rc, "wall_s": wall, "peak_rss": peak, "steps": stats.get("steps", 0),
+        "checkpoints": read_jsonl(out / "checkpoints.jsonl"),
+        "tokens_per_s": stats.get("generated_tokens", 0) / wall, "trainer_busy": train_s / wall,
+        "command": " ".join(cmd[:2]) + " ...",
+        "profile": {"generate_and_score_s": stats.get("gen_s", 0.0), "of_which_turn2_s": stats.get("answer_s", 0.0),
+                    "train_s": train_s, "wall_s": wall},
+    }  # fmt: skip
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return (
+        [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    )
+
+
+# --- the shared evaluator --------------------------------------------------------------------
+
+
+def merged(folder: Path, base_model: Path) -> Path:
+    """A LoRA checkpoint (adapter_config.json: squall's published adapter or TRL's peft save) as a
+    full model folder beside it, the adapter merged into `base_model`; a full
+    model folder as it is. Both contenders' adapters go through this one merge."""
+    if not (folder / "adapter_config.json").is_file():
+        return folder
+    out = folder.with_name(folder.name + "-merged")
+    if (out / "config.json").is_file():
+        return out
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, str(folder)).merge_and_unload()
+    model.save_pretrained(out, safe_serialization=True)
+    for name in BASE_FILES:
+        if (folder / name).is_file():
+            (out / name).write_bytes((folder / name).read_bytes())
+    return out
+
+
+class Evaluator:
+    """Held-out reward of one checkpoint: serve it with `squall inference --no-follow` and run the
+    task's agent once on each held-out problem (sampled as in training)."""
+
+    def __init__(self, task: str, val: Path, port: int, base_model: Path, concurrency: int = 16) -> None:
+        from squall.shared.config import load_config
+
+        self.base_model = base_model
+        self.task, self.port, self.concurrency = task, port, concurrency
+        self.agent = importlib.import_module(f"{task}.agent").agent
+        self.problems = read_jsonl(val)
+        self.served_name = load_config(task_run_file(task)).model.name
+
+    def score(self, folder: str, log: Path) -> float:
+        folder = str(merged(Path(folder), self.base_model))
+        cmd = [
+            str(SQUALL_BIN), "inference", "--config", str(task_run_file(self.task)), "--model", folder,
+            "--no-follow", "--port", str(self.port), "--run", "race-eval",
+        ]  # fmt: skip
+        with open(log, "a") as handle:
+            proc = subprocess.Popen(
+                ["nice", "-n", os.environ.get("RACE_NICE", "10"), *cmd], stdout=handle,
+                stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+            )  # fmt: skip
+        try:
+            self._wait_ready(proc, deadline_s=300)
+            rewards = asyncio.run(self._attempts())
+        finally:
+            stop_group(proc, grace_s=30)
+        return sum(rewards) / len(rewards)
+
+    def _wait_ready(self, proc: subprocess.Popen, deadline_s: float) -> None:
+        end = time.time() + deadline_s
+        while time.time() < end:
+            if proc.poll() is not None:
+                raise RuntimeError(f"evaluation server exited with {proc.returncode} (see its log)")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"evaluation server not ready on port {self.port} within {deadline_s}s")
+
+    async def _attempts(self) -> list[float]:
+        llm = types.SimpleNamespace(
+            base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", model=self.served_name
+        )
+        gate = asyncio.Semaphore(self.concurrency)
+
+        async def one(problem: dict) -> float:
+            async with gate:
+                try:
+                    return float(await self.agent(problem, llm))
+                except Exception:  # a failed attempt scores 0, as a failed rollout would
+                    return 0.0
+
+        return list(await asyncio.gather(*(one(p) for p in self.problems)))
+
+
+def pick(checkpoints: list[dict], n: int) -> list[dict]:
+    """Up to `n` checkpoints, evenly spaced, always the last."""
+    if len(checkpoints) <= n:
+        return checkpoints
+    step = (len(checkpoints) - 1) / (n - 1) if n > 1 else 0
+    return [checkpoints[round(len(checkpoints) - 1 - i * step)] for i in reversed(range(n))]
+
+
+# --- the report ----------------------------------------------------------------------------
+
+
+def time_to_target(curve: list[tuple[float, float]], target: float, wall: float) -> tuple[float, bool]:
+    """Seconds to the first trained checkpoint at or above `target` (the base model at t = 0 does
+    not count: a target it already meets measures nothing), else the whole run and False."""
+    for t, reward in curve[1:]:
+        if reward >= target:
+            return t, True
+    return wall, False
+
+
+def plot(results: dict[str, dict], target: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name, result in results.items():
+        xs, ys = zip(*result["curve"], strict=True)
+        ax.plot([x / 60 for x in xs], ys, marker="o", label=name)
+    ax.axhline(target, color="grey", linestyle="--", linewidth=1, label=f"target {target}")
+    ax.set_xlabel("wall-clock minutes from launch")
+    ax.set_ylabel("held-out reward (shared evaluator)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def table(results: dict[str, dict], target: float) -> str:
+    lines = [
+        f"| contender | steps | wall s | time to {target} s | final held-out reward | generated tok/s | trainer busy | peak RSS GiB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        reached = f"{r['time_to_target_s']:.0f}" + ("" if r["reached"] else " (not reached)")
+        lines.append(
+            f"| {name} | {r['steps']} | {r['wall_s']:.0f} | {reached} | {r['curve'][-1][1]:.3f} | "
+            f"{r['tokens_per_s']:.1f} | {r['trainer_busy']:.2f} | {r['peak_rss'] / 2**30:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def final_line(results: dict[str, dict], target: float) -> str:
+    a, b, c = (results[n]["time_to_target_s"] for n in CONTENDERS)
+    return (
+        f"race: target={target} squall_async_s={a:.0f} squall_sync_s={b:.0f} trl_s={c:.0f} "
+        f"speedup_vs_trl={c / a:.2f} async_vs_sync={b / a:.2f}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--task", default="examples.calc_real", help="task package (tasks.py, agent.py, real.toml)"
+    )
+    parser.add_argument("--model", type=Path, default=ROOT / "runs/models/smollm2-135m-instruct")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs/race")
+    parser.add_argument("--minutes", type=float, default=15.0, help="wall-clock limit per contender")
+    parser.add_argument(
+        "--max-steps", type=int, default=0, help="also stop each trainer after this many steps"
+    )
+    parser.add_argument("--target", type=float, default=0.2, help="held-out reward to reach")
+    parser.add_argument("--train", type=int, default=2000)
+    parser.add_argument("--val", type=int, default=32, help="held-out problems per evaluation")
+    parser.add_argument(
+        "--evals", type=int, default=4, help="checkpoints evaluated per contender (the last always)"
+    )
+    parser.add_argument("--save-every", type=int, default=1, help="TRL: save every k steps")
+    parser.add_argument("--contenders", default=",".join(CONTENDERS))
+    parser.add_argument("--trl-python", default=default_trl_python())
+    parser.add_argument(
+        "--trl-threads", type=int, default=1,
+        help="TRL's torch threads (default 1, as squall's trainer and inference node each use)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--base-port", type=int, default=0, help="first of two free ports (default: any free)"
+    )
+    args = parser.parse_args(argv)
+    args.model, args.out = args.model.resolve(), args.out.resolve()
+    names = [n.strip() for n in args.contenders.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(CONTENDERS))
+    if unknown:
+        parser.error(f"--contenders: unknown {unknown}; choose from {list(CONTENDERS)}")
+    if not (args.model / "config.json").is_file():
+        parser.error(f"--model {args.model}: no config.json (make real-model builds it)")
+    if "trl" in names and not Path(args.trl_python).is_file():
+        parser.error(f"--trl-python {args.trl_python} does not exist: run `make trl-venv`")
+    from squall.shared.localredis import free_port
+
+    redis_port, eval_port = (
+        (args.base_port, args.base_port + 1) if args.base_port else (free_port(), free_port())
+    )
+    data = write_data(args.task, args.out / "data", args.train, args.val, matched_params(args.task)["seed"])
+    runs: dict[str, dict] = {}
+    for name in names:
+        print(f"race: running {name} ({args.minutes} min)", flush=True)
+        runs[name] = run_trl(args, data) if name == "trl" else run_squall(name, args, data, redis_port)
+        print(
+            f"race: {name} done in {runs[name]['wall_s']:.0f}s, {len(runs[name]['checkpoints'])} checkpoints, rc={runs[name]['rc']}",
+            flush=True,
+        )
+
+    evaluator = Evaluator(args.task, data[1], eval_port, args.model)
+    print("race: evaluating the base model", flush=True)
+    base = evaluator.score(str(args.model), args.out / "eval.log")
+    for name, run in runs.items():
+        curve = [(0.0, base)]
+        for ckpt in pick(run["checkpoints"], args.evals):
+            reward = evaluator.score(ckpt["path"], args.out / "eval.log")
+            print(
+                f"race: {name} step {ckpt['step']} at {ckpt['time_s']:.0f}s: held-out reward {reward:.3f}",
+                flush=True,
+            )
+            curve.append((ckpt["time_s"], reward))
+        run["curve"] = curve
+        run["time_to_target_s"], run["reached"] = time_to_target(curve, args.target, run["wall_s"])
+    (args.out / "race.json").write_text(
+        json.dumps({"target": args.target, "params": matched_params(args.task), "runs": runs}, indent=1)
+    )
+    plot(runs, args.target, args.out / "race.png")
+    print(table(runs, args.target))
+    for name, run in runs.items():
+        print(f"profile {name}: " + " ".join(f"{k}={v:.1f}" for k, v in run["profile"].items()))
+    if all(n in runs for n in CONTENDERS):
+        missed = [n for n in CONTENDERS if not runs[n]["reached"]]
+        if missed:
+            print(
+                f"race: {', '.join(missed)} never reached {args.target}: their whole run times stand in below"
+            )
+        print(final_line(runs, args.target))
+    else:
+        print(f"race: ran {names} only, so no race line (it needs {list(CONTENDERS)})")
+    return 0 if all(r["rc"] == 0 and r["checkpoints"] for r in runs.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

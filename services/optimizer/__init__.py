@@ -1,0 +1,1 @@
+"""Algorithms that optimise a run's resources rather than its weights (`squall optimize`)."""
