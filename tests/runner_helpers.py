@@ -98,3 +98,14 @@ def dispatch(r, run, rows, *, deadline_s=60.0):
         ledger.move([task.key], "pending", allowed_from=("new",))
         sent.append(task)
     return sent
+
+
+def continuation_expected(tokenizer, earlier, later) -> bool:
+    """Should the gateway mark `later` as extending `earlier`? Exactly when `earlier`'s prompt +
+    reply re-tokenise to the ids sampled and `later`'s prompt renders them unchanged. A tiny
+    model's random reply sometimes re-tokenises differently (docs/runner.md: those turns become
+    separate samples), so a test asserts this rather than assuming every reply survives."""
+    joined = earlier.prompt_tokens.tolist() + earlier.response_tokens.tolist()
+    text = tokenizer.decode(joined, skip_special_tokens=False)
+    later_text = tokenizer.decode(later.prompt_tokens.tolist(), skip_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=False) == joined and later_text.startswith(text)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from runner_helpers import Procs, dispatch, trajectories
+from runner_helpers import Procs, continuation_expected, dispatch, trajectories
 from waiting import wait_for
 
 from squall.shared.localredis import free_port
@@ -115,8 +115,8 @@ def test_openai_sdk_chat_trajectory_is_token_exact(r, run_name, tmp_path, procs,
     # Turn 2's prompt extends turn 1's prompt + response token for token (the trainer merges them).
     first, second = traj.turns
     joined = first.prompt_tokens.tolist() + first.response_tokens.tolist()
-    if first.finish_reason == "stop":
-        assert second.prompt_tokens.tolist()[: len(joined)] == joined
+    if first.finish_reason == "stop" and continuation_expected(tokenizer, first, second):
+        assert second.prompt_tokens.tolist()[: len(joined)] == joined and second.extends is True
 
 
 def test_openai_sdk_tools_streaming_and_completions(r, run_name, tmp_path, procs, inference, tokenizer):
