@@ -72,7 +72,8 @@ def test_each_stage_gets_its_own_grace(tmp_path):
     # The first stage lingers 2 s: killed under a 1 s grace, clean under 4 s.
     slow, quick = start(tmp_path, "runner-0", 2.0), start(tmp_path, "trainer", 0.0)
     wait_up(tmp_path, "runner-0", "trainer")
-    assert stop_in_stages([[slow], [quick]], grace_s=[4.0, 1.0], deadline_s=10.0) == {"runner-0": 0, "trainer": 0}
+    codes = stop_in_stages([[slow], [quick]], grace_s=[4.0, 1.0], deadline_s=10.0)
+    assert codes == {"runner-0": 0, "trainer": 0}
     slow = start(tmp_path, "runner-1", 2.0)
     wait_up(tmp_path, "runner-1")
     assert stop_in_stages([[slow]], grace_s=[1.0], deadline_s=10.0) == {"runner-1": -9}
