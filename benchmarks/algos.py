@@ -147,6 +147,8 @@ def main() -> None:
     parser.add_argument("--sft-steps", type=int, default=10, help="SFT steps before GRPO in sft_then_grpo")
     parser.add_argument("--minutes", type=float, default=12.0, help="time limit of each run")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--distill-coef", type=float, default=1.0,
+                        help="opd's trainer.distill_coef: the scale of its per-token reverse-KL advantage")  # fmt: skip
     parser.add_argument("--only", default="grpo,opd,sft_then_grpo", help="comma-separated runs")
     parser.add_argument("--out", default="runs/bench-algos")
     args = parser.parse_args()
@@ -175,7 +177,7 @@ def main() -> None:
         proc, url = serve_teacher(teacher, out / "teacher.log")
         try:
             config = base_config(args, "opd")
-            config["trainer"].update(distill_url=url, distill_model="teacher", distill_coef=1.0)
+            config["trainer"].update(distill_url=url, distill_model="teacher", distill_coef=args.distill_coef)
             results["opd"] = run(config, args.minutes)
             saved.write_text(json.dumps(results, indent=1, default=str))
         finally:
