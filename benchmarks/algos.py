@@ -149,6 +149,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--distill-coef", type=float, default=1.0,
                         help="opd's trainer.distill_coef: the scale of its per-token reverse-KL advantage")  # fmt: skip
+    parser.add_argument("--distill-reward-coef", type=float, default=0.0,
+                        help="opd's trainer.distill_reward_coef: the task reward's GRPO advantage mixed in")  # fmt: skip
     parser.add_argument("--only", default="grpo,opd,sft_then_grpo", help="comma-separated runs")
     parser.add_argument("--out", default="runs/bench-algos")
     args = parser.parse_args()
@@ -177,7 +179,12 @@ def main() -> None:
         proc, url = serve_teacher(teacher, out / "teacher.log")
         try:
             config = base_config(args, "opd")
-            config["trainer"].update(distill_url=url, distill_model="teacher", distill_coef=args.distill_coef)
+            config["trainer"].update(
+                distill_url=url,
+                distill_model="teacher",
+                distill_coef=args.distill_coef,
+                distill_reward_coef=args.distill_reward_coef,
+            )
             results["opd"] = run(config, args.minutes)
             saved.write_text(json.dumps(results, indent=1, default=str))
         finally:
