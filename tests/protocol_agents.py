@@ -378,7 +378,9 @@ async def rewrites_history(task: dict, llm) -> float:
     client = anthropic.AsyncAnthropic(base_url=anthropic_url(llm), api_key="dummy", max_retries=0)
     history = [{"role": "user", "content": "Count to three."}]
     first = await client.messages.create(model=llm.model, messages=history, max_tokens=8)
-    edited = "".join(b.text for b in first.content if b.type == "text") + " (edited)"
+    # Edited at its start: a suffix would still extend a reply cut off at max_tokens (no end token
+    # between the sampled text and the edit), and CI once sampled exactly that.
+    edited = "(edited) " + "".join(b.text for b in first.content if b.type == "text")
     history += [{"role": "assistant", "content": edited}, {"role": "user", "content": "Again."}]
     await client.messages.create(model=llm.model, messages=history, max_tokens=8)
     return 1.0
