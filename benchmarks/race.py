@@ -185,10 +185,12 @@ def model_folder(base: Path, weights: Path, folder: Path) -> Path:
     return folder
 
 
-def run_squall(name: str, args: argparse.Namespace, data: tuple[Path, Path], port: int) -> dict[str, Any]:
+def run_squall(
+    name: str, args: argparse.Namespace, data: tuple[Path, Path], port: int, where: Path
+) -> dict[str, Any]:
     from squall.shared.weightfiles import version_dir
 
-    out = args.out / name
+    out = where / name
     run_dir = out / "run"
     env = {
         "SQUALL_RUN__NAME": f"race-{name}",
@@ -240,8 +242,8 @@ def squall_profile(metrics: list[dict], wall: float) -> dict[str, float]:
     return out
 
 
-def run_trl(args: argparse.Namespace, data: tuple[Path, Path]) -> dict[str, Any]:
-    out = args.out / "trl"
+def run_trl(args: argparse.Namespace, data: tuple[Path, Path], where: Path) -> dict[str, Any]:
+    out = where / "trl"
     out.mkdir(parents=True, exist_ok=True)
     (out / "checkpoints.jsonl").unlink(missing_ok=True)
     cmd = [
@@ -299,13 +301,21 @@ class Evaluator:
     """Held-out reward of one checkpoint: serve it with `squall inference --no-follow` and run the
     task's agent once on each held-out problem (sampled as in training)."""
 
-    def __init__(self, task: str, val: Path, port: int, base_model: Path, concurrency: int = 16) -> None:
+    def __init__(self, task: str, val: Path, port: int, base_model: Path, threads: int = 2) -> None:
         from squall.shared.config import load_config
 
         self.base_model = base_model
-        self.task, self.port, self.concurrency = task, port, concurrency
+        self.task, self.port = task, port
         self.agent = importlib.import_module(f"{task}.agent").agent
         self.problems = read_jsonl(val)
+        # Scoring is not timed and runs after every contender has stopped, so the server may use
+        # the whole machine: every held-out attempt at once in one batch, `threads` torch threads
+        # (on 2 cores: 37 s instead of 51 s for 64 problems). Sampling is the same per attempt.
+        self.concurrency = max(1, min(len(self.problems), 64))
+        self.server_env = {
+            "SQUALL_INFERENCE__TORCH_THREADS": str(threads),
+            "SQUALL_INFERENCE__MAX_BATCH": str(self.concurrency),
+        }
         self.served_name = load_config(task_run_file(task)).model.name
 
     def score(self, folder: str, log: Path) -> float:
@@ -317,7 +327,7 @@ class Evaluator:
         with open(log, "a") as handle:
             proc = subprocess.Popen(
                 ["nice", "-n", os.environ.get("RACE_NICE", "10"), *cmd], stdout=handle,
-                stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+                stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True, env={**os.environ, **self.server_env},
             )  # fmt: skip
         try:
             self._wait_ready(proc, deadline_s=300)
@@ -357,8 +367,8 @@ class Evaluator:
 
 
 def pick(checkpoints: list[dict], n: int) -> list[dict]:
-    """Up to `n` checkpoints, evenly spaced, always the last."""
-    if len(checkpoints) <= n:
+    """Up to `n` checkpoints, evenly spaced, always the last; every one when `n` is 0."""
+    if n <= 0 or len(checkpoints) <= n:
         return checkpoints
     step = (len(checkpoints) - 1) / (n - 1) if n > 1 else 0
     return [checkpoints[round(len(checkpoints) - 1 - i * step)] for i in reversed(range(n))]
@@ -376,19 +386,40 @@ def time_to_target(curve: list[tuple[float, float]], target: float, wall: float)
     return wall, False
 
 
-def plot(results: dict[str, dict], target: float, path: Path) -> None:
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def spread(values: list[float], fmt: str = ".0f") -> str:
+    """`median (min-max)`, or the one value."""
+    if len(values) == 1:
+        return format(values[0], fmt)
+    return f"{format(median(values), fmt)} ({format(min(values), fmt)}-{format(max(values), fmt)})"
+
+
+def plot(repeats: list[dict[str, dict]], target: float, path: Path) -> None:
+    """One colour per contender; each repeat is one line of its colour."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    colours = dict(zip(CONTENDERS, ("tab:blue", "tab:orange", "tab:green"), strict=True))
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for name, result in results.items():
-        xs, ys = zip(*result["curve"], strict=True)
-        ax.plot([x / 60 for x in xs], ys, marker="o", label=name)
+    for i, results in enumerate(repeats):
+        for name, result in results.items():
+            xs, ys = zip(*result["curve"], strict=True)
+            ax.plot(
+                [x / 60 for x in xs], ys, marker="o", markersize=3, linewidth=1.2, alpha=0.8,
+                color=colours[name], label=name if i == 0 else None,
+            )  # fmt: skip
     ax.axhline(target, color="grey", linestyle="--", linewidth=1, label=f"target {target}")
     ax.set_xlabel("wall-clock minutes from launch")
     ax.set_ylabel("held-out reward (shared evaluator)")
+    if len(repeats) > 1:
+        ax.set_title(f"{len(repeats)} repeats, one line each", fontsize=9)
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -396,26 +427,135 @@ def plot(results: dict[str, dict], target: float, path: Path) -> None:
     plt.close(fig)
 
 
-def table(results: dict[str, dict], target: float) -> str:
+def table(repeats: list[dict[str, dict]], target: float) -> str:
     lines = [
-        f"| contender | steps | wall s | time to {target} s | final held-out reward | generated tok/s | trainer busy | peak RSS GiB |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| repeat | contender | steps | wall s | time to {target} s | final held-out reward | generated tok/s | trainer busy | peak RSS GiB |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, r in results.items():
-        reached = f"{r['time_to_target_s']:.0f}" + ("" if r["reached"] else " (not reached)")
+    for i, results in enumerate(repeats, 1):
+        for name, r in results.items():
+            reached = f"{r['time_to_target_s']:.0f}" + ("" if r["reached"] else " (not reached)")
+            lines.append(
+                f"| {i} | {name} | {r['steps']} | {r['wall_s']:.0f} | {reached} | {r['curve'][-1][1]:.3f} | "
+                f"{r['tokens_per_s']:.1f} | {r['trainer_busy']:.2f} | {r['peak_rss'] / 2**30:.2f} |"
+            )
+    return "\n".join(lines)
+
+
+def summary(repeats: list[dict[str, dict]], targets: list[float]) -> str:
+    """Per contender over the repeats, median (min-max): time to each target (a run that never
+    reaches one is charged its whole time, marked by the count of misses) and seconds per step."""
+    heads = " | ".join(f"time to {t} s" for t in targets)
+    lines = [f"| contender | {heads} | s per step |", "|---|" + "---|" * (len(targets) + 1)]
+    for name in repeats[0]:
+        runs = [results[name] for results in repeats]
+        cells = []
+        for t in targets:
+            hits = [time_to_target(r["curve"], t, r["wall_s"]) for r in runs]
+            missed = sum(not ok for _, ok in hits)
+            cells.append(spread([s for s, _ in hits]) + (f", {missed} not reached" if missed else ""))
+        per_step = [r["wall_s"] / r["steps"] for r in runs if r["steps"]]
         lines.append(
-            f"| {name} | {r['steps']} | {r['wall_s']:.0f} | {reached} | {r['curve'][-1][1]:.3f} | "
-            f"{r['tokens_per_s']:.1f} | {r['trainer_busy']:.2f} | {r['peak_rss'] / 2**30:.2f} |"
+            f"| {name} | " + " | ".join(cells) + f" | {spread(per_step, '.1f') if per_step else '-'} |"
         )
     return "\n".join(lines)
 
 
-def final_line(results: dict[str, dict], target: float) -> str:
-    a, b, c = (results[n]["time_to_target_s"] for n in CONTENDERS)
-    return (
+def final_lines(repeats: list[dict[str, dict]], target: float) -> list[str]:
+    """The race line on the median time of each contender over the repeats (with one repeat, its
+    times), preceded, when there are several, by each repeat's own two ratios."""
+    times = {n: [results[n]["time_to_target_s"] for results in repeats] for n in CONTENDERS}
+    a, b, c = (median(times[n]) for n in CONTENDERS)
+    lines = []
+    if len(repeats) > 1:
+        vs_trl = [f"{ct / at:.2f}" for at, ct in zip(times["squall_async"], times["trl"], strict=True)]
+        vs_sync = [
+            f"{bt / at:.2f}" for at, bt in zip(times["squall_async"], times["squall_sync"], strict=True)
+        ]
+        lines.append(
+            f"race repeats: speedup_vs_trl=[{', '.join(vs_trl)}] async_vs_sync=[{', '.join(vs_sync)}]"
+        )
+    lines.append(
         f"race: target={target} squall_async_s={a:.0f} squall_sync_s={b:.0f} trl_s={c:.0f} "
         f"speedup_vs_trl={c / a:.2f} async_vs_sync={b / a:.2f}"
     )
+    return lines
+
+
+# --- the run ---------------------------------------------------------------------------------
+
+
+def load_json(path: Path, default: Any) -> Any:
+    return json.loads(path.read_text()) if path.is_file() else default
+
+
+def save_json(path: Path, value: Any) -> None:
+    """Whole or not at all: a report cut off mid-write would lose every result before it."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(value, indent=1))
+    tmp.replace(path)
+
+
+def train_all(
+    args: argparse.Namespace, names: list[str], data: tuple[Path, Path], redis_port: int
+) -> list[dict]:
+    """Every repeat's training runs, one contender at a time. Each repeat has its own seed (the run
+    file's plus the repeat's index, both trainers alike) and starts with the next contender in
+    turn, so no contender always runs first on a cold machine. With --resume, runs already in
+    trained.json are kept."""
+    ledger = args.out / "trained.json"
+    repeats: list[dict] = load_json(ledger, []) if args.resume else []
+    seed = matched_params(args.task)["seed"]
+    for rep in range(args.repeats):
+        if rep == len(repeats):
+            repeats.append({})
+        os.environ["SQUALL_RUN__SEED"] = str(seed + rep)  # squall reads it; matched_params passes it to TRL
+        where = args.out if args.repeats == 1 else args.out / f"repeat-{rep + 1}"
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            if name in repeats[rep]:
+                continue
+            print(f"race: repeat {rep + 1}/{args.repeats}: running {name} ({args.minutes} min)", flush=True)
+            run = (
+                run_trl(args, data, where)
+                if name == "trl"
+                else run_squall(name, args, data, redis_port, where)
+            )
+            print(
+                f"race: {name} done in {run['wall_s']:.0f}s, {len(run['checkpoints'])} checkpoints, rc={run['rc']}",
+                flush=True,
+            )
+            repeats[rep][name] = run
+            save_json(ledger, repeats)
+    return [{n: results[n] for n in names} for results in repeats[: args.repeats]]
+
+
+def evaluate_all(args: argparse.Namespace, repeats: list[dict], val: Path, eval_port: int) -> None:
+    """Score the base model once and each run's picked checkpoints; fill in each run's curve and
+    time to target. Scores are kept in scores.json as they come, so --resume scores nothing twice."""
+    ledger = args.out / "scores.json"
+    scores: dict[str, float] = load_json(ledger, {}) if args.resume else {}
+    evaluator = Evaluator(args.task, val, eval_port, args.model, threads=args.eval_threads)
+
+    def score(path: str) -> float:
+        if path not in scores:
+            scores[path] = evaluator.score(path, args.out / "eval.log")
+            save_json(ledger, scores)
+        return scores[path]
+
+    print("race: evaluating the base model", flush=True)
+    base = score(str(args.model))
+    for rep, results in enumerate(repeats, 1):
+        for name, run in results.items():
+            curve = [(0.0, base)]
+            for ckpt in pick(run["checkpoints"], args.evals):
+                reward = score(ckpt["path"])
+                print(
+                    f"race: repeat {rep} {name} step {ckpt['step']} at {ckpt['time_s']:.0f}s: held-out reward {reward:.3f}",
+                    flush=True,
+                )
+                curve.append((ckpt["time_s"], reward))
+            run["curve"] = curve
+            run["time_to_target_s"], run["reached"] = time_to_target(curve, args.target, run["wall_s"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -430,10 +570,24 @@ def main(argv: list[str] | None = None) -> int:
         "--max-steps", type=int, default=0, help="also stop each trainer after this many steps"
     )
     parser.add_argument("--target", type=float, default=0.2, help="held-out reward to reach")
+    parser.add_argument(
+        "--also-targets", default="", help="more targets for the summary table only, comma-separated"
+    )
     parser.add_argument("--train", type=int, default=2000)
     parser.add_argument("--val", type=int, default=32, help="held-out problems per evaluation")
     parser.add_argument(
-        "--evals", type=int, default=4, help="checkpoints evaluated per contender (the last always)"
+        "--evals", type=int, default=0,
+        help="checkpoints evaluated per contender, evenly spaced, the last always (0: every one)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="run every contender this many times (seed +1 each)"
+    )
+    parser.add_argument(
+        "--resume", action="store_true",
+        help="keep the runs and scores already in --out (trained.json, scores.json) and do the rest",
+    )  # fmt: skip
+    parser.add_argument(
+        "--eval-threads", type=int, default=2, help="torch threads of the (untimed) evaluation server"
     )
     parser.add_argument("--save-every", type=int, default=1, help="TRL: save every k steps")
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
@@ -451,6 +605,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(names) - set(CONTENDERS))
     if unknown:
         parser.error(f"--contenders: unknown {unknown}; choose from {list(CONTENDERS)}")
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: at least 1")
+    try:
+        extra = [float(t) for t in args.also_targets.split(",") if t.strip()]
+    except ValueError:
+        parser.error(f"--also-targets {args.also_targets!r}: give numbers separated by commas, like 0.6,0.7")
     if not (args.model / "config.json").is_file():
         parser.error(f"--model {args.model}: no config.json (make real-model builds it)")
     if "trl" in names and not Path(args.trl_python).is_file():
@@ -461,46 +621,30 @@ def main(argv: list[str] | None = None) -> int:
         (args.base_port, args.base_port + 1) if args.base_port else (free_port(), free_port())
     )
     data = write_data(args.task, args.out / "data", args.train, args.val, matched_params(args.task)["seed"])
-    runs: dict[str, dict] = {}
-    for name in names:
-        print(f"race: running {name} ({args.minutes} min)", flush=True)
-        runs[name] = run_trl(args, data) if name == "trl" else run_squall(name, args, data, redis_port)
-        print(
-            f"race: {name} done in {runs[name]['wall_s']:.0f}s, {len(runs[name]['checkpoints'])} checkpoints, rc={runs[name]['rc']}",
-            flush=True,
-        )
-
-    evaluator = Evaluator(args.task, data[1], eval_port, args.model)
-    print("race: evaluating the base model", flush=True)
-    base = evaluator.score(str(args.model), args.out / "eval.log")
-    for name, run in runs.items():
-        curve = [(0.0, base)]
-        for ckpt in pick(run["checkpoints"], args.evals):
-            reward = evaluator.score(ckpt["path"], args.out / "eval.log")
-            print(
-                f"race: {name} step {ckpt['step']} at {ckpt['time_s']:.0f}s: held-out reward {reward:.3f}",
-                flush=True,
-            )
-            curve.append((ckpt["time_s"], reward))
-        run["curve"] = curve
-        run["time_to_target_s"], run["reached"] = time_to_target(curve, args.target, run["wall_s"])
-    (args.out / "race.json").write_text(
-        json.dumps({"target": args.target, "params": matched_params(args.task), "runs": runs}, indent=1)
+    repeats = train_all(args, names, data, redis_port)
+    evaluate_all(args, repeats, data[1], eval_port)
+    save_json(
+        args.out / "race.json",
+        {"target": args.target, "params": matched_params(args.task), "repeats": repeats},
     )
-    plot(runs, args.target, args.out / "race.png")
-    print(table(runs, args.target))
-    for name, run in runs.items():
-        print(f"profile {name}: " + " ".join(f"{k}={v:.1f}" for k, v in run["profile"].items()))
-    if all(n in runs for n in CONTENDERS):
-        missed = [n for n in CONTENDERS if not runs[n]["reached"]]
+    plot(repeats, args.target, args.out / "race.png")
+    print(table(repeats, args.target))
+    print(summary(repeats, sorted({args.target, *extra})))
+    for rep, results in enumerate(repeats, 1):
+        for name, run in results.items():
+            print(f"profile {rep} {name}: " + " ".join(f"{k}={v:.1f}" for k, v in run["profile"].items()))
+    if all(n in names for n in CONTENDERS):
+        missed = sorted({n for results in repeats for n in CONTENDERS if not results[n]["reached"]})
         if missed:
             print(
-                f"race: {', '.join(missed)} never reached {args.target}: their whole run times stand in below"
+                f"race: {', '.join(missed)} did not reach {args.target} in every repeat: "
+                "a run that never reached it stands in with its whole time"
             )
-        print(final_line(runs, args.target))
+        print("\n".join(final_lines(repeats, args.target)))
     else:
         print(f"race: ran {names} only, so no race line (it needs {list(CONTENDERS)})")
-    return 0 if all(r["rc"] == 0 and r["checkpoints"] for r in runs.values()) else 1
+    ok = all(r["rc"] == 0 and r["checkpoints"] for results in repeats for r in results.values())
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

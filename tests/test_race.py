@@ -45,7 +45,7 @@ def test_race_harness_trains_both_and_scores_both(real_model: Path, tmp_path: Pa
     report = json.loads((out / "race.json").read_text())
     assert report["params"]["group_size"] == 4 and report["params"]["groups_per_step"] == 1
     for name in ("squall_async", "trl"):
-        run = report["runs"][name]
+        run = report["repeats"][0][name]
         assert run["checkpoints"], f"{name} left no checkpoint"
         ckpt = Path(run["checkpoints"][-1]["path"])
         assert (ckpt / "config.json").is_file() and any(ckpt.glob("*.safetensors")), (
@@ -55,6 +55,8 @@ def test_race_harness_trains_both_and_scores_both(real_model: Path, tmp_path: Pa
         assert len(run["curve"]) == 2 and run["curve"][1][0] > 0
         assert all(0.0 <= reward <= 1.0 for _, reward in run["curve"])
         assert run["peak_rss"] > 100 * 2**20 and run["tokens_per_s"] > 0
-    assert report["runs"]["squall_async"]["curve"][0] == report["runs"]["trl"]["curve"][0]  # one base score
+    assert (
+        report["repeats"][0]["squall_async"]["curve"][0] == report["repeats"][0]["trl"]["curve"][0]
+    )  # one base score
     assert (out / "race.png").stat().st_size > 5000
     assert "no race line" in done.stdout  # two contenders of three: the race line needs all three
