@@ -331,10 +331,17 @@ class Evaluator:
             )  # fmt: skip
         try:
             self._wait_ready(proc, deadline_s=300)
-            rewards = asyncio.run(self._attempts())
+            outcomes = asyncio.run(self._attempts())
         finally:
             stop_group(proc, grace_s=30)
-        return sum(rewards) / len(rewards)
+        failures = [o for o in outcomes if isinstance(o, BaseException)]
+        if failures:  # the agent never raises for a bad answer: this is the server or the network
+            raise RuntimeError(
+                f"{len(failures)} of {len(outcomes)} held-out attempts on {folder} failed "
+                f"({failures[0]!r}); not scored as 0, since the fault is not the model's. "
+                f"See {log}, then rerun with --resume to score what is left."
+            )
+        return sum(outcomes) / len(outcomes)  # type: ignore[arg-type]
 
     def _wait_ready(self, proc: subprocess.Popen, deadline_s: float) -> None:
         end = time.time() + deadline_s
@@ -350,7 +357,7 @@ class Evaluator:
             time.sleep(1)
         raise TimeoutError(f"evaluation server not ready on port {self.port} within {deadline_s}s")
 
-    async def _attempts(self) -> list[float]:
+    async def _attempts(self) -> list[float | BaseException]:
         llm = types.SimpleNamespace(
             base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", model=self.served_name
         )
@@ -358,12 +365,9 @@ class Evaluator:
 
         async def one(problem: dict) -> float:
             async with gate:
-                try:
-                    return float(await self.agent(problem, llm))
-                except Exception:  # a failed attempt scores 0, as a failed rollout would
-                    return 0.0
+                return float(await self.agent(problem, llm))
 
-        return list(await asyncio.gather(*(one(p) for p in self.problems)))
+        return list(await asyncio.gather(*(one(p) for p in self.problems), return_exceptions=True))
 
 
 def pick(checkpoints: list[dict], n: int) -> list[dict]:
