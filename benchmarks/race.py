@@ -533,9 +533,13 @@ def train_all(
     return [{n: results[n] for n in names} for results in repeats[: args.repeats]]
 
 
-def evaluate_all(args: argparse.Namespace, repeats: list[dict], val: Path, eval_port: int) -> None:
-    """Score the base model once and each run's picked checkpoints; fill in each run's curve and
-    time to target. Scores are kept in scores.json as they come, so --resume scores nothing twice."""
+def evaluate_all(
+    args: argparse.Namespace, repeats: list[dict], val: Path, eval_port: int, goal: float
+) -> None:
+    """Score the base model once; of each run, every checkpoint up to the first at or above
+    `goal` (the highest target: its times are exact) and after that the --evals picks. Fill in
+    each run's curve and time to target. Scores are kept in scores.json as they come, so
+    --resume scores nothing twice."""
     ledger = args.out / "scores.json"
     scores: dict[str, float] = load_json(ledger, {}) if args.resume else {}
     evaluator = Evaluator(args.task, val, eval_port, args.model, threads=args.eval_threads)
@@ -551,8 +555,13 @@ def evaluate_all(args: argparse.Namespace, repeats: list[dict], val: Path, eval_
     for rep, results in enumerate(repeats, 1):
         for name, run in results.items():
             curve = [(0.0, base)]
-            for ckpt in pick(run["checkpoints"], args.evals):
+            picked = {c["path"] for c in pick(run["checkpoints"], args.evals)}
+            dense = True  # every checkpoint until one reaches the highest target: exact times
+            for ckpt in run["checkpoints"]:
+                if not dense and ckpt["path"] not in picked:
+                    continue
                 reward = score(ckpt["path"])
+                dense = dense and reward < goal
                 print(
                     f"race: repeat {rep} {name} step {ckpt['step']} at {ckpt['time_s']:.0f}s: held-out reward {reward:.3f}",
                     flush=True,
@@ -581,7 +590,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--val", type=int, default=32, help="held-out problems per evaluation")
     parser.add_argument(
         "--evals", type=int, default=0,
-        help="checkpoints evaluated per contender, evenly spaced, the last always (0: every one)",
+        help="checkpoints scored per run after it first reaches the highest target, evenly spaced, "
+        "the last always (0: every one; every checkpoint before that is scored anyway)",
     )  # fmt: skip
     parser.add_argument(
         "--repeats", type=int, default=1, help="run every contender this many times (seed +1 each)"
@@ -626,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     data = write_data(args.task, args.out / "data", args.train, args.val, matched_params(args.task)["seed"])
     repeats = train_all(args, names, data, redis_port)
-    evaluate_all(args, repeats, data[1], eval_port)
+    evaluate_all(args, repeats, data[1], eval_port, goal=max(args.target, *extra))
     save_json(
         args.out / "race.json",
         {"target": args.target, "params": matched_params(args.task), "repeats": repeats},

@@ -331,6 +331,10 @@ class TrainerSection(Section):
     gradient_checkpointing: bool = False
     """Recompute each layer's activations in the backward pass instead of keeping them: less
     memory per micro-batch token for about a third more compute (torch backend)."""
+    share_prefix: bool = True
+    """Torch backend: run the prompt a micro-batch's samples share (a group's attempts) once,
+    then only each sample's own tokens: the same logprobs and gradients for much less compute
+    on long prompts (trainer/prefix_sharing.py). Off under FSDP and gradient_checkpointing."""
     grad_clip: float = Field(1.0, gt=0)
     """Gradient norm clip."""
     publish_every: int = Field(1, ge=1)

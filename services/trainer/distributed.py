@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -237,12 +237,15 @@ def load_sharded(
     return torch.load(rng_file(path, world), weights_only=False)
 
 
-def share_of(batches: Sequence[list[int]], world: World) -> list[list[int] | None]:
+Batch = TypeVar("Batch")  # a micro-batch plan, whatever the backend makes of it
+
+
+def share_of(batches: Sequence[Batch], world: World) -> list[Batch | None]:
     """This rank's micro-batches (round robin), padded with None up to the same count on
     every rank: FSDP needs every rank to run as many forwards and backwards as the others.
     A None is run as a zero-weight micro-batch (no gradient, no metric)."""
     per_rank = -(-len(batches) // world.world_size)
-    mine: list[list[int] | None] = list(batches[world.rank :: world.world_size])
+    mine: list[Batch | None] = list(batches[world.rank :: world.world_size])
     return mine + [None] * (per_rank - len(mine))
 
 

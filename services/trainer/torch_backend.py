@@ -25,7 +25,8 @@ from squall.shared.config import RunConfig
 from . import distributed, lora
 from .backend import TrainerBackend
 from .losses import ppo_tis_loss, token_entropy, token_logprobs
-from .sequences import Sample, collate, pack_microbatches, token_weights
+from .prefix_sharing import Microbatch, plan_microbatches
+from .sequences import Sample, collate, token_weights
 
 resolve_device = distributed.resolve_device  # where it lived before (imported from here)
 
@@ -67,28 +68,49 @@ class TorchBackend(TrainerBackend):
                 distributed.shard_model(self.reference)
         if self.cfg.kl_coef > 0 and self.cfg.lora_rank:  # the base: this model, adapters off
             self.reference = lora.AdapterDisabled(self.model)
+        # Shared prompts run once (prefix_sharing.py). Not under FSDP: a rank whose micro-batch
+        # shares would call the model twice while another calls it once, and the per-call
+        # collectives would pair up wrong. Not with gradient checkpointing, which turns off
+        # the key/value cache the second call reads.
+        self.share_prefix = (
+            self.cfg.share_prefix and not self.world.distributed and not self.cfg.gradient_checkpointing
+        )
         trained = [p for p in self.model.parameters() if p.requires_grad]  # all, or the adapters
         self.optimizer = torch.optim.AdamW(trained, lr=self.cfg.lr, betas=(0.9, 0.999), weight_decay=0.0)
 
-    def _forward(self, model: torch.nn.Module, arrays: dict[str, np.ndarray]) -> torch.Tensor:
+    def _forward(self, model: Any, arrays: dict[str, np.ndarray], prefix: int = 0) -> torch.Tensor:
+        """Logits (B, T-1-prefix, V): position prefix+t predicts token prefix+t+1. With a
+        prefix, its tokens (the same in every row) run once and the rows continue from its
+        repeated key/value cache."""
         ids = torch.from_numpy(arrays["input_ids"]).to(self.device)  # (B, T)
         attn = torch.from_numpy(arrays["attention_mask"]).to(self.device)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            logits = model(input_ids=ids, attention_mask=attn).logits  # (B, T, V)
-        return logits[:, :-1]  # (B, T-1, V): position t predicts token t+1
+            if not prefix:
+                return model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+            cache = model(input_ids=ids[:1, :prefix], use_cache=True).past_key_values
+            cache.batch_repeat_interleave(ids.shape[0])
+            positions = torch.arange(prefix, ids.shape[1], device=self.device).expand(ids.shape[0], -1)
+            logits = model(
+                input_ids=ids[:, prefix:],
+                attention_mask=attn,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+            ).logits
+        return logits[:, :-1]
 
     def train_step(self, samples: Sequence[Sample]) -> dict[str, float]:
         weights = token_weights(samples, self.cfg.loss_agg)  # over the whole step, on every rank
-        batches = pack_microbatches([s.length for s in samples], self.cfg.max_tokens_per_microbatch)
+        batches = plan_microbatches(samples, self.cfg.max_tokens_per_microbatch, share=self.share_prefix)
         mine = distributed.share_of(batches, self.world) if self.world.distributed else list(batches)
         self.optimizer.zero_grad(set_to_none=True)
         totals = dict.fromkeys(
             ("loss", "pg_loss", "kl", "clip", "tis", "ratio", "entropy", "gap", "tokens"), 0.0
         )
-        for n, indices in enumerate(mine):
+        for n, batch in enumerate(mine):
             if self.world.distributed:  # reduce-scatter once, after the last micro-batch
                 self.model.set_requires_gradient_sync(n == len(mine) - 1)
-            for name, value in self._microbatch(samples, weights, indices).items():
+            for name, value in self._microbatch(samples, weights, batch).items():
                 totals[name] += value
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
@@ -115,24 +137,25 @@ class TorchBackend(TrainerBackend):
         }
 
     def _microbatch(
-        self, samples: Sequence[Sample], weights: Sequence[np.ndarray], indices: list[int] | None
+        self, samples: Sequence[Sample], weights: Sequence[np.ndarray], batch: Microbatch | None
     ) -> dict[str, float]:
         """Forward and backward of one micro-batch; its sums for the step's metrics. None: a
         rank with fewer micro-batches than the others runs one at zero weight (FSDP needs the
         same number of forwards on every rank); it adds no gradient and no metric."""
-        filler = indices is None
-        chosen = [0] if filler else indices
+        filler = batch is None
+        chosen = [0] if batch is None else batch.indices
+        prefix = 0 if batch is None else batch.prefix
         arrays = collate([samples[i] for i in chosen], [weights[i] for i in chosen], self.pad_id)
         if filler:
             arrays["loss_mask"] = np.zeros_like(arrays["loss_mask"])
             arrays["weights"] = np.zeros_like(arrays["weights"])
-        t = self._tensors(arrays)
-        logits = self._forward(self.model, arrays)
-        logp = token_logprobs(logits, t["targets"])  # (B, T-1)
+        t = self._tensors(arrays, prefix)
+        logits = self._forward(self.model, arrays, prefix)
+        logp = token_logprobs(logits, t["targets"])  # (B, T-1-prefix)
         ref_logp = None
         if self.reference is not None:
             with torch.no_grad():
-                ref_logp = token_logprobs(self._forward(self.reference, arrays), t["targets"])
+                ref_logp = token_logprobs(self._forward(self.reference, arrays, prefix), t["targets"])
         out = self._loss(logp, t, ref_logp)
         out.loss.backward()
         mask = t["loss_mask"] > 0
@@ -150,11 +173,11 @@ class TorchBackend(TrainerBackend):
             "tokens": float(out.tokens),
         }
 
-    def _tensors(self, arrays: dict[str, Any]) -> dict[str, torch.Tensor]:
-        """The collated arrays the loss reads, on the training device (ids and mask stay
-        with the forward, which takes them as numpy)."""
+    def _tensors(self, arrays: dict[str, Any], prefix: int = 0) -> dict[str, torch.Tensor]:
+        """The collated (B, T-1) arrays the loss reads, from position `prefix` on, on the
+        training device (ids and mask stay with the forward, which takes them as numpy)."""
         return {
-            k: torch.from_numpy(v).to(self.device)
+            k: torch.from_numpy(np.ascontiguousarray(v[:, prefix:])).to(self.device)
             for k, v in arrays.items()
             if k not in ("input_ids", "attention_mask")
         }
