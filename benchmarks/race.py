@@ -636,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     data = write_data(args.task, args.out / "data", args.train, args.val, matched_params(args.task)["seed"])
     repeats = train_all(args, names, data, redis_port)
-    evaluate_all(args, repeats, data[1], eval_port, goal=max(args.target, *extra))
+    evaluate_all(args, repeats, data[1], eval_port, goal=max([args.target, *extra]))
     save_json(
         args.out / "race.json",
         {"target": args.target, "params": matched_params(args.task), "repeats": repeats},

@@ -16,7 +16,9 @@ torch.set_num_threads(1)
 VOCAB = 128
 
 
-def make_sample(group: str, key: str, prompt: np.ndarray, own: np.ndarray, trained_from: int, adv: float) -> Sample:
+def make_sample(
+    group: str, key: str, prompt: np.ndarray, own: np.ndarray, trained_from: int, adv: float
+) -> Sample:
     """prompt + own tokens; the own tokens from `trained_from` on are trained (mask 1)."""
     ids = np.concatenate([prompt, own]).astype(np.int32)
     mask = np.zeros(ids.shape[0], np.float32)

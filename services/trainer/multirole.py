@@ -42,7 +42,7 @@ from squall.shared.roleplan import Role, roles_of, trainer_section
 
 from . import distributed, lora
 from .sequences import Sample
-from .torch_backend import TorchBackend
+from .torch_backend import TorchBackend, shares_prefix
 from .trainer import Trainer, _on_signal, record_stop_signals
 
 ROLES_DIR = "roles"  # {run.dir}/roles/<role>/: one role's checkpoints, weights and logs
@@ -128,6 +128,7 @@ class RoleBackend(TorchBackend):
         self.world, self.device = shared.world, shared.device
         self.model = shared.model
         self.autocast = self.device.type == "cuda"
+        self.share_prefix = shares_prefix(cfg, shared.world)
         self.vocab_size, self.pad_id = shared.vocab_size, shared.pad_id
         self.reference: Any = lora.AdapterDisabled(self.model) if cfg.kl_coef > 0 else None
         marker = f".{role}."  # peft's tensor names carry the adapter's name: lora_A.<role>.weight

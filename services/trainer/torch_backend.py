@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from squall.shared.config import RunConfig
+from squall.shared.config import RunConfig, TrainerSection
 
 from . import distributed, lora
 from .backend import TrainerBackend
@@ -29,6 +29,14 @@ from .prefix_sharing import Microbatch, plan_microbatches
 from .sequences import Sample, collate, token_weights
 
 resolve_device = distributed.resolve_device  # where it lived before (imported from here)
+
+
+def shares_prefix(cfg: TrainerSection, world: distributed.World) -> bool:
+    """Whether shared prompts run once (prefix_sharing.py). Not under FSDP: a rank whose
+    micro-batch shares would call the model twice while another calls it once, and the
+    per-call collectives would pair up wrong. Not with gradient checkpointing, which turns off
+    the key/value cache the second call reads."""
+    return cfg.share_prefix and not world.distributed and not cfg.gradient_checkpointing
 
 
 class TorchBackend(TrainerBackend):
@@ -68,13 +76,7 @@ class TorchBackend(TrainerBackend):
                 distributed.shard_model(self.reference)
         if self.cfg.kl_coef > 0 and self.cfg.lora_rank:  # the base: this model, adapters off
             self.reference = lora.AdapterDisabled(self.model)
-        # Shared prompts run once (prefix_sharing.py). Not under FSDP: a rank whose micro-batch
-        # shares would call the model twice while another calls it once, and the per-call
-        # collectives would pair up wrong. Not with gradient checkpointing, which turns off
-        # the key/value cache the second call reads.
-        self.share_prefix = (
-            self.cfg.share_prefix and not self.world.distributed and not self.cfg.gradient_checkpointing
-        )
+        self.share_prefix = shares_prefix(self.cfg, self.world)
         trained = [p for p in self.model.parameters() if p.requires_grad]  # all, or the adapters
         self.optimizer = torch.optim.AdamW(trained, lr=self.cfg.lr, betas=(0.9, 0.999), weight_decay=0.0)
 
