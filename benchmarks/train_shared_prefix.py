@@ -9,8 +9,8 @@ block, worked exchange, the question) rendered by the run's chat template; each 
 part (the answer's turns and the tool result between them) is random tokens of the lengths the
 race's groups had, 40 to 90, so no two attempts share anything past the prompt. Token values do
 not change the compute. Rounds alternate off/on, each on a fresh backend (same seed, so the
-same step); medians of the step's wall seconds are printed, with the prompt tokens the model
-ran and the largest difference between the two steps' loss and gradient norm.
+same step); medians of the step's wall seconds are printed, with the tokens the model ran and
+the difference between the last round's two steps' loss and gradient norm.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from examples.calc_real.agent import DEMONSTRATION, TOOLS  # noqa: E402
 from squall.inference.prompt import ChatFormat  # noqa: E402
-from squall.shared.config import load_config  # noqa: E402
+from squall.shared.config import RunConfig, load_config  # noqa: E402
 from squall.trainer.backend import make_backend  # noqa: E402
 from squall.trainer.prefix_sharing import plan_microbatches  # noqa: E402
 from squall.trainer.sequences import Sample  # noqa: E402
@@ -39,8 +39,7 @@ from squall.trainer.sequences import Sample  # noqa: E402
 RUN_FILE = ROOT / "examples" / "calc_real" / "real.toml"
 
 
-def group_samples(tokenizer, groups: int, size: int, rng: random.Random) -> list[Sample]:
-    cfg = load_config(RUN_FILE, env={})
+def group_samples(tokenizer, cfg: RunConfig, groups: int, size: int, rng: random.Random) -> list[Sample]:
     chat = ChatFormat(tokenizer, cfg.inference.tool_parser, str(ROOT / cfg.inference.chat_template))
     out = []
     for g in range(groups):
@@ -81,10 +80,11 @@ def main(args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
     torch.set_num_threads(1 if args.device == "cpu" else torch.get_num_threads())
+    cfg = load_config(RUN_FILE, env={})
     samples = group_samples(
-        AutoTokenizer.from_pretrained(args.model), args.groups, args.size, random.Random(0)
+        AutoTokenizer.from_pretrained(args.model), cfg, args.groups, args.size, random.Random(0)
     )
-    budget = load_config(RUN_FILE, env={}).trainer.max_tokens_per_microbatch
+    budget = cfg.trainer.max_tokens_per_microbatch
     ran = {}
     for share in (False, True):
         plan = plan_microbatches(samples, budget, share=share)

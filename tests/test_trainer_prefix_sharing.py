@@ -28,8 +28,8 @@ def make_sample(
 
 
 def group_of(name: str, size: int, prompt_len: int, seed: int) -> list[Sample]:
-    """`size` attempts at one prompt: each its own response, a tool result (untrained) and a
-    second response, of different lengths."""
+    """`size` attempts at one prompt of `prompt_len` tokens, each followed by its own trained
+    tokens, of different lengths (6, 9, 12, ...)."""
     rng = np.random.default_rng(seed)
     prompt = rng.integers(3, VOCAB, prompt_len)
     out = []

@@ -39,8 +39,6 @@ class Microbatch:
 def common_prefix(sequences: Sequence[np.ndarray]) -> int:
     """Length of the longest prefix every sequence starts with."""
     shortest = min(len(s) for s in sequences)
-    if shortest == 0:
-        return 0
     stacked = np.stack([s[:shortest] for s in sequences])
     differs = np.nonzero((stacked != stacked[0]).any(axis=0))[0]
     return int(differs[0]) if differs.size else shortest
@@ -78,7 +76,7 @@ def plan_microbatches(samples: Sequence[Sample], max_tokens: int, *, share: bool
             rest.extend(members)
             continue
         suffixes = [samples[i].length - prefix for i in members]
-        for chunk in pack_microbatches(suffixes, max(max_tokens - prefix, 1)):
+        for chunk in pack_microbatches(suffixes, max_tokens - prefix):
             indices = [members[k] for k in chunk]
             out.append(Microbatch(indices, prefix if len(indices) > 1 else 0))
     if rest:

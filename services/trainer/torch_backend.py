@@ -145,8 +145,9 @@ class TorchBackend(TrainerBackend):
         rank with fewer micro-batches than the others runs one at zero weight (FSDP needs the
         same number of forwards on every rank); it adds no gradient and no metric."""
         filler = batch is None
-        chosen = [0] if batch is None else batch.indices
-        prefix = 0 if batch is None else batch.prefix
+        if batch is None:
+            batch = Microbatch([0])
+        chosen, prefix = batch.indices, batch.prefix
         arrays = collate([samples[i] for i in chosen], [weights[i] for i in chosen], self.pad_id)
         if filler:
             arrays["loss_mask"] = np.zeros_like(arrays["loss_mask"])
