@@ -446,11 +446,22 @@ def table(repeats: list[dict[str, dict]], target: float) -> str:
     return "\n".join(lines)
 
 
-def summary(repeats: list[dict[str, dict]], targets: list[float]) -> str:
+def steps_to_target(run: dict, target: float) -> int | None:
+    """The trainer step of the first checkpoint at or above `target`, None if none was."""
+    t, reached = time_to_target(run["curve"], target, run["wall_s"])
+    return next((c["step"] for c in run["checkpoints"] if c["time_s"] == t), None) if reached else None
+
+
+def summary(repeats: list[dict[str, dict]], targets: list[float], target: float) -> str:
     """Per contender over the repeats, median (min-max): time to each target (a run that never
-    reaches one is charged its whole time, marked by the count of misses) and seconds per step."""
+    reaches one is charged its whole time, marked by the count of misses), the steps it took to
+    reach `target` (time = steps x pace: which of the two a contender wins on) and seconds per
+    step over the whole run."""
     heads = " | ".join(f"time to {t} s" for t in targets)
-    lines = [f"| contender | {heads} | s per step |", "|---|" + "---|" * (len(targets) + 1)]
+    lines = [
+        f"| contender | {heads} | steps to {target} | s per step |",
+        "|---|" + "---|" * (len(targets) + 2),
+    ]
     for name in repeats[0]:
         runs = [results[name] for results in repeats]
         cells = []
@@ -458,6 +469,8 @@ def summary(repeats: list[dict[str, dict]], targets: list[float]) -> str:
             hits = [time_to_target(r["curve"], t, r["wall_s"]) for r in runs]
             missed = sum(not ok for _, ok in hits)
             cells.append(spread([s for s, _ in hits]) + (f", {missed} not reached" if missed else ""))
+        steps = [s for r in runs if (s := steps_to_target(r, target)) is not None]
+        cells.append(spread([float(s) for s in steps]) if steps else "-")
         per_step = [r["wall_s"] / r["steps"] for r in runs if r["steps"]]
         lines.append(
             f"| {name} | " + " | ".join(cells) + f" | {spread(per_step, '.1f') if per_step else '-'} |"
@@ -643,7 +656,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     plot(repeats, args.target, args.out / "race.png")
     print(table(repeats, args.target))
-    print(summary(repeats, sorted({args.target, *extra})))
+    print(summary(repeats, sorted({args.target, *extra}), args.target))
     for rep, results in enumerate(repeats, 1):
         for name, run in results.items():
             print(f"profile {rep} {name}: " + " ".join(f"{k}={v:.1f}" for k, v in run["profile"].items()))

@@ -1,0 +1,47 @@
+"""The race's report on made-up runs: time and steps to a target, the summary's cells.
+
+Pure functions of the results benchmarks/race.py records; the harness itself (training and
+scoring) is tests/test_race.py.
+"""
+
+from __future__ import annotations
+
+from benchmarks.race import steps_to_target, summary, time_to_target
+
+
+def run(points: list[tuple[int, float, float]], wall: float = 240.0) -> dict:
+    """A run whose checkpoints are (step, seconds, held-out reward), after the base model's 0.2."""
+    return {
+        "wall_s": wall,
+        "steps": len(points),
+        "checkpoints": [{"step": step, "time_s": t, "path": f"ckpt-{step}"} for step, t, _ in points],
+        "curve": [(0.0, 0.2)] + [(t, reward) for _, t, reward in points],
+    }
+
+
+def test_time_and_steps_to_a_target_come_from_the_first_checkpoint_at_it() -> None:
+    r = run([(1, 30.0, 0.5), (2, 40.0, 0.85), (3, 50.0, 0.7), (4, 60.0, 0.95)])
+    assert time_to_target(r["curve"], 0.8, r["wall_s"]) == (40.0, True)
+    assert steps_to_target(r, 0.8) == 2
+    assert steps_to_target(r, 0.9) == 4
+    assert time_to_target(r["curve"], 0.99, r["wall_s"]) == (240.0, False)
+    assert steps_to_target(r, 0.99) is None
+
+
+def test_the_base_model_meeting_the_target_does_not_count() -> None:
+    r = run([(1, 30.0, 0.1)])
+    assert time_to_target(r["curve"], 0.2, r["wall_s"]) == (240.0, False)
+    assert steps_to_target(r, 0.2) is None
+
+
+def test_summary_gives_median_and_spread_and_counts_misses() -> None:
+    repeats = [
+        {"a": run([(1, 30.0, 0.9)]), "b": run([(3, 90.0, 0.9)], wall=200.0)},
+        {"a": run([(2, 50.0, 0.9)]), "b": run([(1, 20.0, 0.5)], wall=200.0)},
+        {"a": run([(4, 70.0, 0.9)]), "b": run([(2, 60.0, 0.95)], wall=200.0)},
+    ]
+    lines = summary(repeats, [0.9], 0.9).splitlines()
+    assert lines[0] == "| contender | time to 0.9 s | steps to 0.9 | s per step |"
+    assert lines[2] == "| a | 50 (30-70) | 2 (1-4) | 240.0 (240.0-240.0) |"
+    # b missed once: charged its whole 200 s there; its steps count only the runs that reached it
+    assert lines[3] == "| b | 90 (60-200), 1 not reached | 2 (2-3) | 200.0 (200.0-200.0) |"
