@@ -107,6 +107,12 @@ def matched_params(task: str) -> dict[str, Any]:
     }
 
 
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 # --- measuring a process tree ----------------------------------------------------------------
 
 
@@ -203,6 +209,8 @@ def run_squall(
         "SQUALL_TRAINER__KEEP_VERSIONS": "100000",
         "SQUALL_SCHEDULER__KEEP_ROLLOUTS_PER_VERSION": "1000000",  # every attempt, for its tokens
         "SQUALL_TRAINER__MAX_STEPS": str(args.max_steps),
+        "SQUALL_TRAINER__DEVICE": args.device,
+        "SQUALL_INFERENCE__DEVICE": args.device,
     }
     if name == "squall_sync":
         env |= {"SQUALL_SCHEDULER__MAX_DISPATCH_LAG": "0", "SQUALL_TRAINER__MAX_SAMPLE_AGE": "0"}
@@ -251,6 +259,7 @@ def run_trl(args: argparse.Namespace, data: tuple[Path, Path], where: Path) -> d
         "--data", str(data[0]), "--out", str(out), "--task", args.task, "--minutes", str(args.minutes),
         "--max-steps", str(args.max_steps), "--save-every", str(args.save_every),
         "--params", json.dumps(matched_params(args.task)), "--threads", str(args.trl_threads),
+        "--device", args.device,
     ]  # fmt: skip
     offline = {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}  # everything it needs is local
     rc, wall, peak = run_logged(cmd, out / "log.txt", offline, args.minutes * 60 + 300)
@@ -260,7 +269,7 @@ def run_trl(args: argparse.Namespace, data: tuple[Path, Path], where: Path) -> d
         "name": "trl", "rc": rc, "wall_s": wall, "peak_rss": peak, "steps": stats.get("steps", 0),
         "checkpoints": read_jsonl(out / "checkpoints.jsonl"),
         "tokens_per_s": stats.get("generated_tokens", 0) / wall, "trainer_busy": train_s / wall,
-        "command": " ".join(cmd[:2]) + " ...",
+        "command": " ".join(cmd[:2]) + " ...", "device": stats.get("device", "cpu"),
         "profile": {"generate_and_score_s": stats.get("gen_s", 0.0), "of_which_turn2_s": stats.get("answer_s", 0.0),
                     "train_s": train_s, "wall_s": wall},
     }  # fmt: skip
@@ -301,7 +310,9 @@ class Evaluator:
     """Held-out reward of one checkpoint: serve it with `squall inference --no-follow` and run the
     task's agent once on each held-out problem (sampled as in training)."""
 
-    def __init__(self, task: str, val: Path, port: int, base_model: Path, threads: int = 2) -> None:
+    def __init__(
+        self, task: str, val: Path, port: int, base_model: Path, threads: int = 2, device: str = "cpu"
+    ) -> None:
         from squall.shared.config import load_config
 
         self.base_model = base_model
@@ -315,6 +326,7 @@ class Evaluator:
         self.server_env = {
             "SQUALL_INFERENCE__TORCH_THREADS": str(threads),
             "SQUALL_INFERENCE__MAX_BATCH": str(self.concurrency),
+            "SQUALL_INFERENCE__DEVICE": device,
         }
         self.served_name = load_config(task_run_file(task)).model.name
 
@@ -480,22 +492,27 @@ def summary(repeats: list[dict[str, dict]], targets: list[float], target: float)
 
 def final_lines(repeats: list[dict[str, dict]], target: float) -> list[str]:
     """The race line on the median time of each contender over the repeats (with one repeat, its
-    times), preceded, when there are several, by each repeat's own two ratios."""
-    times = {n: [results[n]["time_to_target_s"] for results in repeats] for n in CONTENDERS}
-    a, b, c = (median(times[n]) for n in CONTENDERS)
+    times), preceded, when there are several, by each repeat's own ratios. Without TRL (a run of
+    the two squall set-ups only) the line is `race async vs sync: ...`; a run without both squall
+    set-ups has no ratio to give."""
+    names = set(repeats[0])
+    times = {n: [results[n]["time_to_target_s"] for results in repeats] for n in names}
+    if not {"squall_async", "squall_sync"} <= names:
+        return []
+    pairs = [("speedup_vs_trl", "trl"), ("async_vs_sync", "squall_sync")]
+    pairs = [(label, other) for label, other in pairs if other in names]
     lines = []
     if len(repeats) > 1:
-        vs_trl = [f"{ct / at:.2f}" for at, ct in zip(times["squall_async"], times["trl"], strict=True)]
-        vs_sync = [
-            f"{bt / at:.2f}" for at, bt in zip(times["squall_async"], times["squall_sync"], strict=True)
-        ]
-        lines.append(
-            f"race repeats: speedup_vs_trl=[{', '.join(vs_trl)}] async_vs_sync=[{', '.join(vs_sync)}]"
-        )
-    lines.append(
-        f"race: target={target} squall_async_s={a:.0f} squall_sync_s={b:.0f} trl_s={c:.0f} "
-        f"speedup_vs_trl={c / a:.2f} async_vs_sync={b / a:.2f}"
-    )
+        per_repeat = [
+            f"{label}=[" + ", ".join(f"{o / a:.2f}" for a, o in zip(times["squall_async"], times[other], strict=True)) + "]"
+            for label, other in pairs
+        ]  # fmt: skip
+        lines.append("race repeats: " + " ".join(per_repeat))
+    med = {n: median(times[n]) for n in names}
+    seconds = " ".join(f"{n}_s={med[n]:.0f}" for n in CONTENDERS if n in names)
+    ratios = " ".join(f"{label}={med[other] / med['squall_async']:.2f}" for label, other in pairs)
+    head = "race" if "trl" in names else "race async vs sync"
+    lines.append(f"{head}: target={target} {seconds} {ratios}")
     return lines
 
 
@@ -517,12 +534,12 @@ def train_all(
     args: argparse.Namespace, names: list[str], data: tuple[Path, Path], redis_port: int
 ) -> list[dict]:
     """Every repeat's training runs, one contender at a time. Each repeat has its own seed (the run
-    file's plus the repeat's index, both trainers alike) and starts with the next contender in
+    file's plus --seed-offset plus the repeat's index, both trainers alike) and starts with the next contender in
     turn, so no contender always runs first on a cold machine. With --resume, runs already in
     trained.json are kept."""
     ledger = args.out / "trained.json"
     repeats: list[dict] = load_json(ledger, []) if args.resume else []
-    seed = matched_params(args.task)["seed"]
+    seed = matched_params(args.task)["seed"] + args.seed_offset
     for rep in range(args.repeats):
         if rep == len(repeats):
             repeats.append({})
@@ -555,7 +572,9 @@ def evaluate_all(
     --resume scores nothing twice."""
     ledger = args.out / "scores.json"
     scores: dict[str, float] = load_json(ledger, {}) if args.resume else {}
-    evaluator = Evaluator(args.task, val, eval_port, args.model, threads=args.eval_threads)
+    evaluator = Evaluator(
+        args.task, val, eval_port, args.model, threads=args.eval_threads, device=args.device
+    )
 
     def score(path: str) -> float:
         if path not in scores:
@@ -610,6 +629,10 @@ def main(argv: list[str] | None = None) -> int:
         "--repeats", type=int, default=1, help="run every contender this many times (seed +1 each)"
     )
     parser.add_argument(
+        "--seed-offset", type=int, default=0,
+        help="repeat i trains with the run file's seed + this + i (more repeats on seeds not run before)",
+    )  # fmt: skip
+    parser.add_argument(
         "--resume", action="store_true",
         help="keep the runs and scores already in --out (trained.json, scores.json) and do the rest",
     )  # fmt: skip
@@ -626,6 +649,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--base-port", type=int, default=0, help="first of two free ports (default: any free)"
     )
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu",
+        help="where every contender trains and samples, and the evaluator serves (cuda: the first "
+        "GPU; squall's trainer and TRL both train fp32 weights under bf16 autocast there, and "
+        "squall's inference node serves bf16)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     args.model, args.out = args.model.resolve(), args.out.resolve()
     names = [n.strip() for n in args.contenders.split(",") if n.strip()]
@@ -640,6 +669,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--also-targets {args.also_targets!r}: give numbers separated by commas, like 0.6,0.7")
     if not (args.model / "config.json").is_file():
         parser.error(f"--model {args.model}: no config.json (make real-model builds it)")
+    if args.device == "cuda" and not cuda_available():
+        parser.error("--device cuda: torch sees no CUDA GPU here; run on a GPU machine or use --device cpu")
     if "trl" in names and not Path(args.trl_python).is_file():
         parser.error(f"--trl-python {args.trl_python} does not exist: run `make trl-venv`")
     from squall.shared.localredis import free_port
@@ -652,7 +683,12 @@ def main(argv: list[str] | None = None) -> int:
     evaluate_all(args, repeats, data[1], eval_port, goal=max([args.target, *extra]))
     save_json(
         args.out / "race.json",
-        {"target": args.target, "params": matched_params(args.task), "repeats": repeats},
+        {
+            "target": args.target,
+            "device": args.device,
+            "params": matched_params(args.task),
+            "repeats": repeats,
+        },
     )
     plot(repeats, args.target, args.out / "race.png")
     print(table(repeats, args.target))
@@ -660,15 +696,14 @@ def main(argv: list[str] | None = None) -> int:
     for rep, results in enumerate(repeats, 1):
         for name, run in results.items():
             print(f"profile {rep} {name}: " + " ".join(f"{k}={v:.1f}" for k, v in run["profile"].items()))
-    if all(n in names for n in CONTENDERS):
-        missed = sorted({n for results in repeats for n in CONTENDERS if not results[n]["reached"]})
-        if missed:
-            print(
-                f"race: {', '.join(missed)} did not reach {args.target} in every repeat: "
-                "a run that never reached it stands in with its whole time"
-            )
-        print("\n".join(final_lines(repeats, args.target)))
-    else:
+    missed = sorted({n for results in repeats for n in names if not results[n]["reached"]})
+    if missed:
+        print(
+            f"race: {', '.join(missed)} did not reach {args.target} in every repeat: "
+            "a run that never reached it stands in with its whole time"
+        )
+    print("\n".join(final_lines(repeats, args.target)))
+    if not all(n in names for n in CONTENDERS):
         print(f"race: ran {names} only, so no race line (it needs {list(CONTENDERS)})")
     ok = all(r["rc"] == 0 and r["checkpoints"] for results in repeats for r in results.values())
     return 0 if ok else 1

@@ -94,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--threads", type=int, default=1, help="torch CPU threads (squall's processes use 1 each)"
     )
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu",
+        help="cuda: the first GPU, fp32 weights under bf16 autocast (TRL's bf16=True), as squall's trainer",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     started = time.time()
 
@@ -117,13 +121,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = [json.loads(line) for line in Path(args.data).read_text().splitlines() if line.strip()]
     prompts = [turn_one_prompt(chat, agent, row["question"]) for row in rows]
     dataset = Dataset.from_dict({"prompt": prompts, "row": [json.dumps(r) for r in rows]})
-    stats = {"gen_s": 0.0, "answer_s": 0.0, "step_s": 0.0, "save_s": 0.0, "generated_tokens": 0, "steps": 0}
+    on_gpu = args.device == "cuda"
+    stats: dict[str, Any] = {"gen_s": 0.0, "answer_s": 0.0, "step_s": 0.0, "save_s": 0.0, "generated_tokens": 0,
+                             "steps": 0, "device": torch.cuda.get_device_name(0) if on_gpu else "cpu"}  # fmt: skip
     holder: dict[str, Any] = {}
 
     def answer(messages: list[dict]) -> tuple[str, int]:
         """Turn 2 from the current policy, sampled as squall's server samples it."""
         model = holder["trainer"].model
-        ids = tokenizer(chat.render(messages, agent.TOOLS), return_tensors="pt").input_ids
+        ids = tokenizer(chat.render(messages, agent.TOOLS), return_tensors="pt").input_ids.to(model.device)
         with torch.no_grad():
             was_training = model.training
             model.eval()
@@ -180,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
 
     config = GRPOConfig(
         output_dir=str(out / "trl_output"),
-        use_cpu=True,
+        use_cpu=not on_gpu,
         seed=p.get("seed", 0),
         num_generations=p["group_size"],
         per_device_train_batch_size=p["group_size"] * p["groups_per_step"],
@@ -208,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         logging_steps=1,
         save_strategy="no",
         report_to=[],
-        bf16=False,
+        bf16=on_gpu,  # autocast over fp32 weights, as squall's trainer on CUDA
         shuffle_dataset=True,
     )
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)

@@ -5,7 +5,8 @@ a checkpoint of each, and the PNG and race.json are written. Not a speed or lear
 
 Optional suite 'race': TRL lives in its own venv (`make test-race` builds it and runs this).
 Groups of 4 and one group per step (through the SQUALL_* variables, which both trainers read)
-keep it to a couple of minutes."""
+keep it to a couple of minutes. The same mechanics with `--device cuda` run where a CUDA GPU is
+(optional suite 'gpu' as well): both trainers and the evaluator on the GPU."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.optional import need_trl
+from tests.optional import need, need_trl
 from tests.realmodel import real_model  # noqa: F401  (fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,6 +26,26 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.timeout(900)  # a few minutes on a quiet machine; generous for a loaded one
 def test_race_harness_trains_both_and_scores_both(real_model: Path, tmp_path: Path) -> None:  # noqa: F811
+    report = race_one_step(real_model, tmp_path, "cpu")
+    assert report["device"] == "cpu"
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(900)
+def test_race_harness_on_a_cuda_gpu(real_model: Path, tmp_path: Path) -> None:  # noqa: F811
+    import torch
+
+    need("gpu", torch.cuda.is_available(), "no CUDA GPU here (torch.cuda.is_available() is False)")
+    report = race_one_step(real_model, tmp_path, "cuda")
+    assert report["device"] == "cuda"
+    assert report["repeats"][0]["trl"]["device"] == torch.cuda.get_device_name(0)  # TRL saw the GPU
+    trainer_log = (tmp_path / "race" / "squall_async" / "run" / "logs" / "trainer.log").read_text()
+    assert '"device":"cuda' in trainer_log, trainer_log[-2000:]  # so did squall's trainer
+
+
+def race_one_step(real_model: Path, tmp_path: Path, device: str) -> dict:  # noqa: F811
+    """The harness for one step of squall (async) and of TRL on `device`; checks the mechanics
+    and returns race.json."""
     python = need_trl()
     env = {
         **os.environ,
@@ -38,7 +59,7 @@ def test_race_harness_trains_both_and_scores_both(real_model: Path, tmp_path: Pa
     cmd = [
         sys.executable, str(ROOT / "benchmarks" / "race.py"), "--model", str(real_model), "--out", str(out),
         "--minutes", "4", "--max-steps", "1", "--train", "16", "--val", "2", "--evals", "1",
-        "--contenders", "squall_async,trl", "--target", "0.5",
+        "--contenders", "squall_async,trl", "--target", "0.5", "--device", device,
     ]  # fmt: skip
     done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=880)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -60,3 +81,4 @@ def test_race_harness_trains_both_and_scores_both(real_model: Path, tmp_path: Pa
     )  # one base score
     assert (out / "race.png").stat().st_size > 5000
     assert "no race line" in done.stdout  # two contenders of three: the race line needs all three
+    return report

@@ -6,7 +6,7 @@ scoring) is tests/test_race.py.
 
 from __future__ import annotations
 
-from benchmarks.race import steps_to_target, summary, time_to_target
+from benchmarks.race import final_lines, steps_to_target, summary, time_to_target
 
 
 def run(points: list[tuple[int, float, float]], wall: float = 240.0) -> dict:
@@ -45,3 +45,27 @@ def test_summary_gives_median_and_spread_and_counts_misses() -> None:
     assert lines[2] == "| a | 50 (30-70) | 2 (1-4) | 240.0 (240.0-240.0) |"
     # b missed once: charged its whole 200 s there; its steps count only the runs that reached it
     assert lines[3] == "| b | 90 (60-200), 1 not reached | 2 (2-3) | 200.0 (200.0-200.0) |"
+
+
+def timed(seconds: float) -> dict:
+    return {"time_to_target_s": seconds}
+
+
+def test_the_race_line_compares_median_times_and_lists_each_repeats_ratios() -> None:
+    repeats = [
+        {"squall_async": timed(50.0), "squall_sync": timed(100.0), "trl": timed(200.0)},
+        {"squall_async": timed(40.0), "squall_sync": timed(30.0), "trl": timed(240.0)},
+        {"squall_async": timed(60.0), "squall_sync": timed(90.0), "trl": timed(180.0)},
+    ]
+    assert final_lines(repeats, 0.9) == [
+        "race repeats: speedup_vs_trl=[4.00, 6.00, 3.00] async_vs_sync=[2.00, 0.75, 1.50]",
+        "race: target=0.9 squall_async_s=50 squall_sync_s=90 trl_s=200 speedup_vs_trl=4.00 async_vs_sync=1.80",
+    ]
+
+
+def test_without_trl_the_line_is_async_against_sync_and_without_sync_there_is_none() -> None:
+    repeats = [{"squall_async": timed(40.0), "squall_sync": timed(60.0)}]
+    assert final_lines(repeats, 0.8) == [
+        "race async vs sync: target=0.8 squall_async_s=40 squall_sync_s=60 async_vs_sync=1.50"
+    ]
+    assert final_lines([{"squall_async": timed(40.0), "trl": timed(90.0)}], 0.8) == []

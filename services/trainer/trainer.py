@@ -110,6 +110,8 @@ class Trainer:
             if isinstance(backend, TrainerBackend)
             else make_backend(backend or self.cfg.backend, config)
         )
+        # where the model really is ("auto" resolved), for the started line
+        device = str(getattr(self.backend, "device", self.cfg.device))
         if leader is not None:
             self.backend = distributed.LeaderBackend(self.backend, leader)
         self.publisher = Publisher(
@@ -163,6 +165,7 @@ class Trainer:
             version=self.state.version,
             resumed=latest is not None,
             done_keys=len(self.state.trained) + len(self.state.consumed),
+            device=device,
         )
 
     # --- lifecycle -----------------------------------------------------------
