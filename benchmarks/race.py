@@ -244,8 +244,10 @@ def generated_tokens(run_dir: Path) -> int:
 
 
 def squall_profile(metrics: list[dict], wall: float) -> dict[str, float]:
-    """Where the trainer's wall time went: waiting for groups, training, publishing."""
+    """Where the trainer's wall time went: waiting for groups, training, publishing; and how many
+    finished attempts it dropped as older than trainer.max_sample_age (rollouts spent for nothing)."""
     out = {k: sum(m.get(f"time/{k}", 0.0) for m in metrics) for k in ("wait_s", "train_s", "publish_s")}
+    out["stale_dropped"] = sum(m.get("filtered:stale", 0.0) for m in metrics)
     out["wall_s"] = wall
     return out
 
@@ -563,6 +565,11 @@ def train_all(
     return [{n: results[n] for n in names} for results in repeats[: args.repeats]]
 
 
+def all_trained(repeats: list[dict]) -> bool:
+    """Every run exited 0 and left a checkpoint."""
+    return all(r["rc"] == 0 and r["checkpoints"] for results in repeats for r in results.values())
+
+
 def evaluate_all(
     args: argparse.Namespace, repeats: list[dict], val: Path, eval_port: int, goal: float
 ) -> None:
@@ -637,6 +644,10 @@ def main(argv: list[str] | None = None) -> int:
         help="keep the runs and scores already in --out (trained.json, scores.json) and do the rest",
     )  # fmt: skip
     parser.add_argument(
+        "--train-only", action="store_true",
+        help="train and write trained.json, score nothing (later: the same command with --resume scores)",
+    )  # fmt: skip
+    parser.add_argument(
         "--eval-threads", type=int, default=2, help="torch threads of the (untimed) evaluation server"
     )
     parser.add_argument("--save-every", type=int, default=1, help="TRL: save every k steps")
@@ -680,6 +691,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     data = write_data(args.task, args.out / "data", args.train, args.val, matched_params(args.task)["seed"])
     repeats = train_all(args, names, data, redis_port)
+    if args.train_only:
+        print(
+            f"race: trained {len(repeats)} repeat(s) into {args.out / 'trained.json'}; rerun with --resume to score"
+        )
+        return 0 if all_trained(repeats) else 1
     evaluate_all(args, repeats, data[1], eval_port, goal=max([args.target, *extra]))
     save_json(
         args.out / "race.json",
@@ -705,8 +721,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(final_lines(repeats, args.target)))
     if not all(n in names for n in CONTENDERS):
         print(f"race: ran {names} only, so no race line (it needs {list(CONTENDERS)})")
-    ok = all(r["rc"] == 0 and r["checkpoints"] for results in repeats for r in results.values())
-    return 0 if ok else 1
+    return 0 if all_trained(repeats) else 1
 
 
 if __name__ == "__main__":

@@ -108,12 +108,17 @@ def run_world(fn: Callable, *args: Any, world_size: int = 2, timeout_s: float = 
     return [results[rank] for rank in range(world_size)]
 
 
-def assert_weights_close(expected: dict[str, Any], got: dict[str, Any], rel: float = 1e-5) -> None:
-    """Same names, and every tensor within `rel` of the expected one (relative, by norm)."""
+def assert_weights_close(
+    expected: dict[str, Any], got: dict[str, Any], rel: float = 1e-5, before: dict[str, Any] | None = None
+) -> None:
+    """Same names, and every tensor within `rel` of the expected one, by norm: relative to the
+    tensor, or with `before` (the weights before the step) relative to the step's update, which
+    is what a wrong reduction would get wrong."""
     assert set(got) == set(expected), sorted(set(got) ^ set(expected))
     for name, tensor in expected.items():
         error = float((got[name].double() - tensor.double()).norm())
-        scale = float(tensor.double().norm())
+        reference = tensor.double() if before is None else tensor.double() - before[name].double()
+        scale = float(reference.norm())
         assert error <= rel * max(scale, 1e-12), (
             f"{name}: relative error {error / max(scale, 1e-12):.3g} > {rel}"
         )

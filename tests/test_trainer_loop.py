@@ -23,6 +23,14 @@ def retag(t: Trajectory, run: str, **changes) -> Trajectory:
     return Trajectory(**{**{f: getattr(t, f) for f in t.__struct_fields__}, "run": run, **changes})
 
 
+def run_config(tmp_path, run_name: str, redis_url: str, **trainer):
+    """A fresh tiny model and a run on the test's Redis: (config, keys); one torch thread."""
+    torch.set_num_threads(1)
+    config = config_for(tmp_path, make_tiny_model(tmp_path / "model"), **trainer)
+    run = config.run.model_copy(update={"name": run_name, "redis_url": redis_url})
+    return config.model_copy(update={"run": run}), Keys(run_name)
+
+
 def run_until_step(trainer: Trainer, steps: int, timeout_s: float = 60.0) -> None:
     """Run `trainer` in this thread until it has made `steps` optimizer steps (or `timeout_s`
     passed), then stop it; asserts it exits 0."""
@@ -40,13 +48,9 @@ def run_until_step(trainer: Trainer, steps: int, timeout_s: float = 60.0) -> Non
 
 
 def test_deadline_late_val_and_stale(tmp_path, r, redis_url, run_name):
-    torch.set_num_threads(1)
-    model_path = make_tiny_model(tmp_path / "model")
-    config = config_for(tmp_path, model_path, groups_per_step=1, group_wait_s=1.0, max_sample_age=0)
-    config = config.model_copy(
-        update={"run": config.run.model_copy(update={"name": run_name, "redis_url": redis_url})}
+    config, keys = run_config(
+        tmp_path, run_name, redis_url, groups_per_step=1, group_wait_s=1.0, max_sample_age=0
     )
-    keys = Keys(run_name)
     bus.ensure_group(r, keys.trajectories, GROUP_TRAINER)
     trainer = Trainer(config)
     model = trainer.backend.model
@@ -94,13 +98,7 @@ def test_resume_after_crash_between_checkpoint_and_acks(tmp_path, r, redis_url, 
     from squall.trainer.backend import make_backend
     from squall.trainer.checkpoint import CheckpointStore, TrainerState
 
-    torch.set_num_threads(1)
-    model_path = make_tiny_model(tmp_path / "model")
-    config = config_for(tmp_path, model_path, groups_per_step=1)
-    config = config.model_copy(
-        update={"run": config.run.model_copy(update={"name": run_name, "redis_url": redis_url})}
-    )
-    keys = Keys(run_name)
+    config, keys = run_config(tmp_path, run_name, redis_url, groups_per_step=1)
     backend = make_backend("torch", config)
     group = [
         retag(sampled_trajectory(backend.model, "a", i, float(i % 2), seed=i), run_name) for i in range(4)
@@ -126,3 +124,36 @@ def test_resume_after_crash_between_checkpoint_and_acks(tmp_path, r, redis_url, 
     assert [(x["step"], sorted(x["keys"])) for x in log] == [(1, sorted(t.key for t in group))]
     assert int(r.hget(keys.versions, "trainer")) == 1
     assert (tmp_path / "run" / "weights" / "v000001" / "model.safetensors.index.json").exists()
+
+
+def test_a_steps_group_counts_as_trained_only_after_its_version_is_announced(
+    tmp_path, r, redis_url, run_name
+):
+    """The scheduler dispatches the next group when the ledger says a held one was trained, at
+    the trainer's announced version: when the new version is announced the step's group must
+    not yet count as trained (else the next group goes out on the old version), and after
+    the step it must."""
+    config, keys = run_config(tmp_path, run_name, redis_url, groups_per_step=1)
+    bus.ensure_group(r, keys.trajectories, GROUP_TRAINER)
+    trainer = Trainer(config)
+    group = [
+        retag(sampled_trajectory(trainer.backend.model, "a", i, float(i % 2), seed=i), run_name)
+        for i in range(4)
+    ]
+    ledger = Ledger(r, keys)
+    ledger.move([t.key for t in group], "ok")  # as the scheduler leaves finished attempts
+    bus.publish_many(r, keys.trajectories, group)
+    seen: list[tuple[int, int, set]] = []
+    publish = trainer.publisher.publish
+
+    def publish_and_look(version: int, step: int, state: dict) -> WeightVersion:
+        message = publish(version, step, state)
+        announced = int(r.hget(keys.versions, "trainer"))
+        seen.append((version, announced, {ledger.state_of(t.key) for t in group}))
+        return message
+
+    trainer.publisher.publish = publish_and_look  # type: ignore[method-assign]
+    run_until_step(trainer, 1)
+    assert seen == [(0, 0, {"ok"}), (1, 1, {"ok"})]  # announced while the group is still "ok"
+    assert {ledger.state_of(t.key) for t in group} == {"trained"} and ledger.balanced()
+    assert r.xpending(keys.trajectories, GROUP_TRAINER)["pending"] == 0

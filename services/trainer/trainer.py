@@ -373,11 +373,20 @@ class Trainer:
             self.books.stepped(self.state.step, self.state.version)
             self.cadence.stepped()
         counts = self.books.take_counts()
-        if last or self.cadence.due_after_step() or (not samples and not self.cadence.steps_since):
-            self._commit(bump=False)  # else deferred: entries stay pending (cadence.py)
+        # Checkpoint, publish, then settle. The checkpoint is durable before its version is
+        # announced (a crash between the two republishes at start, _ensure_published). The
+        # ledger hears that the step's groups are trained only after the version they made is
+        # announced: the scheduler releases a held group on that word and dispatches the next one
+        # at the announced version, so a release seen before the publish sent the next group out
+        # on the version just trained over, to reach the trainer one version older than the
+        # dispatch lag allows (filtered:stale, a wasted rollout).
+        commit = last or self.cadence.due_after_step() or (not samples and not self.cadence.steps_since)
+        sealed = self._checkpoint() if commit else None  # else deferred: entries stay pending (cadence.py)
         if bump:
             self.publisher.publish(self.state.version, self.state.step, self.backend.weights())
             self.publisher.prune()
+        if sealed is not None:
+            self._settle(sealed.done, sealed.entry_ids)
         publish_s = time.perf_counter() - publish_start
         if samples and self.tracer.enabled:
             keys = [t.key for d in decisions for t in d.train]
