@@ -232,8 +232,16 @@ def run_squall(
         "checkpoints": checkpoints, "tokens_per_s": generated_tokens(run_dir) / wall,
         "trained_tokens_per_s": sum(m.get("tokens", 0.0) for m in metrics) / wall,
         "trainer_busy": busy / wall, "command": "squall up ... " + " ".join(f"{k}={v}" for k, v in env.items()),
-        "profile": squall_profile(metrics, wall),
+        "profile": squall_profile(metrics, wall) | {"stale_dropped": stale_dropped(run_dir)},
     }  # fmt: skip
+
+
+def stale_dropped(run_dir: Path) -> float:
+    """Finished attempts the trainer dropped as older than trainer.max_sample_age (rollouts spent
+    for nothing), from the run's final ledger (`squall up`'s summary.json): the step metrics miss
+    those committed between steps."""
+    summary = load_json(run_dir / "summary.json", {})
+    return float(summary.get("ledger", {}).get("filtered:stale", 0))
 
 
 def generated_tokens(run_dir: Path) -> int:
@@ -244,10 +252,8 @@ def generated_tokens(run_dir: Path) -> int:
 
 
 def squall_profile(metrics: list[dict], wall: float) -> dict[str, float]:
-    """Where the trainer's wall time went: waiting for groups, training, publishing; and how many
-    finished attempts it dropped as older than trainer.max_sample_age (rollouts spent for nothing)."""
+    """Where the trainer's wall time went: waiting for groups, training, publishing."""
     out = {k: sum(m.get(f"time/{k}", 0.0) for m in metrics) for k in ("wait_s", "train_s", "publish_s")}
-    out["stale_dropped"] = sum(m.get("filtered:stale", 0.0) for m in metrics)
     out["wall_s"] = wall
     return out
 
