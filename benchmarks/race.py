@@ -56,7 +56,9 @@ BASE_FILES = (
     "chat_template.jinja",
 )
 TEMPERATURE = 1.0  # what the calc agents sample at, in both turns
-SQUALL_BIN = Path(sys.executable).parent / "squall"
+# squall through this interpreter's module, not a console script beside it: that works wherever
+# `import squall` does (a venv, a `pip install --target` folder on PYTHONPATH, a source tree).
+SQUALL = [sys.executable, "-m", "squall.cli"]
 
 
 def default_trl_python() -> str:
@@ -215,7 +217,7 @@ def run_squall(
     if name == "squall_sync":
         env |= {"SQUALL_SCHEDULER__MAX_DISPATCH_LAG": "0", "SQUALL_TRAINER__MAX_SAMPLE_AGE": "0"}
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [str(SQUALL_BIN), "up", "--config", str(task_run_file(args.task)), "--minutes", str(args.minutes)]
+    cmd = [*SQUALL, "up", "--config", str(task_run_file(args.task)), "--minutes", str(args.minutes)]
     began = time.time()
     rc, wall, peak = run_logged(cmd, out / "log.txt", env, args.minutes * 60 + 300)
     metrics = read_jsonl(run_dir / "metrics.jsonl")
@@ -233,6 +235,7 @@ def run_squall(
         "trained_tokens_per_s": sum(m.get("tokens", 0.0) for m in metrics) / wall,
         "trainer_busy": busy / wall, "command": "squall up ... " + " ".join(f"{k}={v}" for k, v in env.items()),
         "profile": squall_profile(metrics, wall) | {"stale_dropped": stale_dropped(run_dir)},
+        "log": str(out / "log.txt"), "warnings": load_json(run_dir / "summary.json", {}).get("warnings", []),
     }  # fmt: skip
 
 
@@ -277,7 +280,7 @@ def run_trl(args: argparse.Namespace, data: tuple[Path, Path], where: Path) -> d
         "name": "trl", "rc": rc, "wall_s": wall, "peak_rss": peak, "steps": stats.get("steps", 0),
         "checkpoints": read_jsonl(out / "checkpoints.jsonl"),
         "tokens_per_s": stats.get("generated_tokens", 0) / wall, "trainer_busy": train_s / wall,
-        "command": " ".join(cmd[:2]) + " ...", "device": stats.get("device", "cpu"),
+        "command": " ".join(cmd[:2]) + " ...", "device": stats.get("device", "cpu"), "log": str(out / "log.txt"),
         "profile": {"generate_and_score_s": stats.get("gen_s", 0.0), "of_which_turn2_s": stats.get("answer_s", 0.0),
                     "train_s": train_s, "wall_s": wall},
     }  # fmt: skip
@@ -341,7 +344,7 @@ class Evaluator:
     def score(self, folder: str, log: Path) -> float:
         folder = str(merged(Path(folder), self.base_model))
         cmd = [
-            str(SQUALL_BIN), "inference", "--config", str(task_run_file(self.task)), "--model", folder,
+            *SQUALL, "inference", "--config", str(task_run_file(self.task)), "--model", folder,
             "--no-follow", "--port", str(self.port), "--run", "race-eval",
         ]  # fmt: skip
         with open(log, "a") as handle:
@@ -544,9 +547,10 @@ def train_all(
     """Every repeat's training runs, one contender at a time. Each repeat has its own seed (the run
     file's plus --seed-offset plus the repeat's index, both trainers alike) and starts with the next contender in
     turn, so no contender always runs first on a cold machine. With --resume, runs already in
-    trained.json are kept."""
+    trained.json are kept, those that failed to train are run again."""
     ledger = args.out / "trained.json"
     repeats: list[dict] = load_json(ledger, []) if args.resume else []
+    repeats = [{n: run for n, run in results.items() if trained(run)} for results in repeats]
     seed = matched_params(args.task)["seed"] + args.seed_offset
     for rep in range(args.repeats):
         if rep == len(repeats):
@@ -571,9 +575,22 @@ def train_all(
     return [{n: results[n] for n in names} for results in repeats[: args.repeats]]
 
 
-def all_trained(repeats: list[dict]) -> bool:
-    """Every run exited 0 and left a checkpoint."""
-    return all(r["rc"] == 0 and r["checkpoints"] for results in repeats for r in results.values())
+def trained(run: dict) -> bool:
+    """The run exited 0 and left a checkpoint."""
+    return run["rc"] == 0 and bool(run["checkpoints"])
+
+
+def untrained(repeats: list[dict]) -> list[str]:
+    """A line per run that did not train, saying what is known of why and where to look."""
+    lines = []
+    for rep, results in enumerate(repeats, 1):
+        for name, run in results.items():
+            if trained(run):
+                continue
+            why = f"exited {run['rc']}" if run["rc"] else f"left no checkpoint in {run['wall_s']:.0f} s"
+            said = "".join(f"; it warned: {w}" for w in run.get("warnings", []))
+            lines.append(f"race: repeat {rep} {name} {why}{said}; its log: {run.get('log', '?')}")
+    return lines
 
 
 def evaluate_all(
@@ -697,11 +714,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     data = write_data(args.task, args.out / "data", args.train, args.val, matched_params(args.task)["seed"])
     repeats = train_all(args, names, data, redis_port)
+    failed = untrained(repeats)
+    if failed:  # a race with a contender missing is no race: say why, score nothing
+        print("\n".join(failed) + "\nrace: fix that and rerun with --resume (runs that trained are kept)")
+        return 1
     if args.train_only:
         print(
             f"race: trained {len(repeats)} repeat(s) into {args.out / 'trained.json'}; rerun with --resume to score"
         )
-        return 0 if all_trained(repeats) else 1
+        return 0
     evaluate_all(args, repeats, data[1], eval_port, goal=max([args.target, *extra]))
     save_json(
         args.out / "race.json",
@@ -727,7 +748,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(final_lines(repeats, args.target)))
     if not all(n in names for n in CONTENDERS):
         print(f"race: ran {names} only, so no race line (it needs {list(CONTENDERS)})")
-    return 0 if all_trained(repeats) else 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -211,6 +211,10 @@ class RunnerSection(Section):
     train_agents_check_after: int = Field(20, ge=0)
     """Finished attempts with calls (per runner) after which a `train_agents` name that no call
     came from is reported, once per run, in the logs, `squall status` and the dashboard (0: never)."""
+    agent_failing_after: int = Field(16, ge=0)
+    """Agent failures in a row (per runner; `failed` attempts, infrastructure faults aside) after
+    which the agent is reported as failing every attempt, once per run, in the logs, `squall
+    status`, the dashboard and `squall up` (0: never)."""
     seats: list[str] = []
     """The named agents of a multi-agent task (its seats). Empty: any agent name is accepted;
     set: a call from another name is refused (a typo fails loudly), and seats can be given

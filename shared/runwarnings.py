@@ -18,6 +18,7 @@ from .keys import Keys
 
 # Kinds of warning (the field's prefix).
 TRAIN_AGENT_UNUSED = "train_agent_unused"  # a runner.train_agents entry no call came from
+AGENT_FAILING = "agent_failing"  # an agent failed runner.agent_failing_after attempts in a row
 
 
 @dataclass(frozen=True)

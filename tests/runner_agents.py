@@ -17,6 +17,8 @@ async def trivial(task: dict, llm) -> float | None:
         await asyncio.sleep(float(task["sleep"]))
     if behave == "raise":
         raise RuntimeError("agent exploded on purpose")
+    if behave == "missing_module":  # an environment without a package the agent imports
+        import squall_test_no_such_module  # type: ignore[import-not-found]  # noqa: F401
     if behave == "hang":
         await asyncio.sleep(3600)
     if behave == "nan":

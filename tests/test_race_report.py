@@ -6,12 +6,13 @@ scoring) is tests/test_race.py.
 
 from __future__ import annotations
 
-from benchmarks.race import final_lines, steps_to_target, summary, time_to_target
+from benchmarks.race import final_lines, steps_to_target, summary, time_to_target, untrained
 
 
 def run(points: list[tuple[int, float, float]], wall: float = 240.0) -> dict:
     """A run whose checkpoints are (step, seconds, held-out reward), after the base model's 0.2."""
     return {
+        "rc": 0,
         "wall_s": wall,
         "steps": len(points),
         "checkpoints": [{"step": step, "time_s": t, "path": f"ckpt-{step}"} for step, t, _ in points],
@@ -69,3 +70,20 @@ def test_without_trl_the_line_is_async_against_sync_and_without_sync_there_is_no
         "race async vs sync: target=0.8 squall_async_s=40 squall_sync_s=60 async_vs_sync=1.50"
     ]
     assert final_lines([{"squall_async": timed(40.0), "trl": timed(90.0)}], 0.8) == []
+
+
+def test_a_run_that_did_not_train_is_named_with_its_warnings_and_log() -> None:
+    idle = run([], wall=69.0) | {"warnings": ["agent 'a' failed 16 attempts in a row"], "log": "sq/log.txt"}
+    crashed = run([(1, 30.0, 0.5)]) | {"rc": 1, "log": "trl/log.txt"}
+    repeats = [
+        {"squall_async": idle, "trl": run([(1, 30.0, 0.5)])},
+        {"squall_async": run([]), "trl": crashed},
+    ]
+    lines = untrained(repeats)
+    assert lines[0] == (
+        "race: repeat 1 squall_async left no checkpoint in 69 s; it warned: agent 'a' failed 16 "
+        "attempts in a row; its log: sq/log.txt"
+    )
+    assert lines[1].startswith("race: repeat 2 squall_async left no checkpoint in 240 s; its log:")
+    assert lines[2] == "race: repeat 2 trl exited 1; its log: trl/log.txt"
+    assert untrained([{"trl": run([(1, 30.0, 0.5)])}]) == []

@@ -400,6 +400,7 @@ class Up:
             "ledger": {"dispatched": s["ledger"]["dispatched"], **s["ledger"]["counts"]},
             "ledger_balanced": s["ledger"]["balanced"],
             "versions": s["versions"]["raw"],
+            "warnings": [w["message"] for w in s["warnings"]],  # shared.runwarnings, oldest first
         }
         if s["roles"]:  # several trained roles: each one's own curve (local/progress.py)
             summary["roles"] = role_summaries(s)

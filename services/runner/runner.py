@@ -53,10 +53,11 @@ from squall.shared.logs import get_logger
 from squall.shared.resources import ResourceCache, ResourceError
 from squall.shared.retry import REDIS_ERRORS, RedisOutage
 from squall.shared.roleplan import roles_of
-from squall.shared.runwarnings import TRAIN_AGENT_UNUSED, RunWarning, record_once
+from squall.shared.runwarnings import AGENT_FAILING, TRAIN_AGENT_UNUSED, RunWarning, record_once
 from squall.tracking.otel import attempt_ids, call_span_id, traceparent, tracer_for
 
 from .agents import LLM, CommandAgent, PythonAgent, load_callable, resolve_reward
+from .failwatch import AgentFailureWatch
 from .gateway import Gateway
 from .rolerewards import split_role_rewards
 from .trainwatch import TrainAgentsWatch
@@ -135,6 +136,7 @@ class Runner:
         self.fatal: RedisUnavailable | None = None  # Redis stayed away past the deadline
         self.seen_version = -1  # newest weight version seen in a trajectory's turns
         self.train_watch = TrainAgentsWatch(self.section.train_agents, self.section.train_agents_check_after)
+        self.fail_watch = AgentFailureWatch(self.section.agent_failing_after)
         self.running: dict[str, Running] = {}  # entry id -> attempt
         self.stopping = asyncio.Event()
         self.slot_freed = asyncio.Event()  # set when an attempt ends: the fetch loop may read again
@@ -462,25 +464,31 @@ class Runner:
             self.metrics.deadlettered.labels(source="tasks").inc(dead)
             self._dead_seen += dead
 
-    async def _warn_unused_train_agents(self, turns: list[schemas.Turn]) -> None:
-        """Record a `train_agents` entry that no call used, once per run; the runner whose record
-        went in logs it (a Redis that refuses the record still gets it logged here)."""
-        for name in self.train_watch.observe(turns):
-            warning = RunWarning(
-                TRAIN_AGENT_UNUSED, name, self.train_watch.message(name), time.time(), f"runner:{self.id}"
-            )
-            try:
-                first = await self._call("warnings", record_once, self.r, self.keys, warning)
-            except redis.RedisError as exc:
-                first = True
-                self.log.warning("warning_not_recorded", error=str(exc))
-            if first:
-                self.log.warning(
-                    "train_agent_unused",
-                    agent=name,
-                    attempts=self.train_watch.attempts,
-                    message=warning.message,
-                )
+    async def _watch(self, trajectory: schemas.Trajectory) -> None:
+        """The run warnings a finished attempt can complete: a `train_agents` name no call used,
+        an agent that fails every attempt."""
+        for name in self.train_watch.observe(trajectory.turns):
+            await self._warn_once(
+                RunWarning(TRAIN_AGENT_UNUSED, name, self.train_watch.message(name), time.time(), f"runner:{self.id}"),
+                "train_agent_unused", agent=name, attempts=self.train_watch.attempts,
+            )  # fmt: skip
+        if self.fail_watch.observe(trajectory.status, trajectory.infra, trajectory.error):
+            agent = self.section.agent or self.section.agent_cmd
+            await self._warn_once(
+                RunWarning(AGENT_FAILING, agent, self.fail_watch.message(agent), time.time(), f"runner:{self.id}"),
+                "agent_failing", agent=agent, in_a_row=self.fail_watch.in_a_row,
+            )  # fmt: skip
+
+    async def _warn_once(self, warning: RunWarning, event: str, **fields: Any) -> None:
+        """Record `warning` once per run; the runner whose record went in logs it (a Redis that
+        refuses the record still gets it logged here)."""
+        try:
+            first = await self._call("warnings", record_once, self.r, self.keys, warning)
+        except redis.RedisError as exc:
+            first = True
+            self.log.warning("warning_not_recorded", error=str(exc))
+        if first:
+            self.log.warning(event, message=warning.message, **fields)
 
     def _trajectory(self, task: schemas.Task, status: str, **fields: Any) -> schemas.Trajectory:
         return schemas.Trajectory(
@@ -522,7 +530,7 @@ class Runner:
             return
         self.counts[trajectory.status] = self.counts.get(trajectory.status, 0) + 1
         self._observe(trajectory, taken)
-        await self._warn_unused_train_agents(trajectory.turns)
+        await self._watch(trajectory)
         level = self.log.info if trajectory.status == "ok" else self.log.warning
         level(
             "attempt_finished",
