@@ -24,6 +24,8 @@ from typing import Any
 
 from .keys import Keys
 
+ROLE_ANSWER = "trainer_version:"  # + role: that role's answer (role_answer_field)
+
 
 @dataclass(frozen=True)
 class DataEnd:
@@ -82,6 +84,22 @@ def announce_trained(r: Any, keys: Keys, version: int, step: int) -> None:
         keys.data_end,
         mapping={"trainer_version": version, "trainer_step": step, "trainer_at": repr(time.time())},
     )
+
+
+def role_answer_field(role: str) -> str:
+    """A trained role's own answer (its final version) in a run with roles: the run's
+    `trainer_version` is written once every role has answered."""
+    return f"{ROLE_ANSWER}{role}"
+
+
+def role_answers(raw: dict[Any, Any]) -> dict[str, int]:
+    """Role -> the final version it answered, from the hash's fields (HGETALL)."""
+    out = {}
+    for field, value in raw.items():
+        name = field.decode() if isinstance(field, bytes) else field
+        if name.startswith(ROLE_ANSWER):
+            out[name.removeprefix(ROLE_ANSWER)] = int(value)
+    return out
 
 
 def settle_unconfirmed(r: Any, keys: Keys, version: int) -> None:

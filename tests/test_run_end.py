@@ -24,11 +24,14 @@ from waiting import wait_for
 from squall.api import UpResult
 from squall.local.up import measured_word
 from squall.monitor.status import collect, render
+from squall.scheduler.ending import Ending
 from squall.scheduler.scheduler import Scheduler
 from squall.shared import bus, dataend, schemas
+from squall.shared.config import SchedulerSection
 from squall.shared.heartbeat import HeartbeatWriter
 from squall.shared.keys import GROUP_TRAINER, Keys
 from squall.shared.ledger import Ledger
+from squall.shared.logs import get_logger
 from squall.shared.runstate import read_snapshot
 
 pytestmark = pytest.mark.redis
@@ -113,6 +116,24 @@ def test_the_end_round_waits_for_the_trainers_last_version_and_for_the_nodes_ser
     assert (
         events(r, run_name, "end_unconfirmed") == [] and events(r, run_name, "end_round_nodes_behind") == []
     )
+
+
+@pytest.mark.redis
+def test_with_trained_roles_the_end_round_waits_for_each_roles_final_version_on_the_node(r, run_name):
+    """A node serves a version per role, each in its own `versions` field; its own field (the
+    default role's) never moves in such a run, and the end round waited on it until end_wait_s."""
+    keys = Keys(run_name)
+    ending = Ending(r, keys, SchedulerSection(end_wait_s=600), get_logger())
+    HeartbeatWriter(r, keys, "inference", "n0").beat(force=True, version=0, follows_newest=1.0)
+    dataend.announce_data_end(r, keys, samples=16)
+    answers = {dataend.role_answer_field("villagers"): 3, dataend.role_answer_field("wolves"): 4}
+    r.hset(keys.data_end, mapping=answers)
+    dataend.announce_trained(r, keys, version=3, step=4)  # the run's answer: the first role's version
+    r.hset(keys.versions, mapping={"inference:n0": 0, "inference:n0:villagers": 3, "inference:n0:wolves": 3})
+    assert dataend.role_answers(r.hgetall(keys.data_end)) == {"villagers": 3, "wolves": 4}
+    assert not ending.served(3)  # the wolves' weights there are one version old
+    r.hset(keys.versions, "inference:n0:wolves", 4)
+    assert ending.served(3)
 
 
 def test_the_summary_says_which_version_the_last_round_measured():

@@ -65,13 +65,17 @@ class Ending:
         """Do the inference nodes serve `version` yet? Every live plain follower (heartbeat stat
         `follows_newest`) must have acknowledged it in `versions`, or the end round would be
         answered by older weights; snapshot nodes never will. Past `end_wait_s` after the end
-        was settled, the round goes out anyway (Event `end_round_nodes_behind`)."""
+        was settled, the round goes out anyway (Event `end_round_nodes_behind`). In a run with
+        trained roles a node serves a version per role, each in its own field: every role's
+        final version (`trainer_version:<role>` of the handshake) must be served."""
         versions = self.r.hgetall(self.keys.versions)
+        wanted = self._wanted(version)
         behind = []
         for name, beat, _ in read_heartbeats(self.r, self.keys):
             if beat is None or beat.service != "inference" or state_of(beat) != "alive":
                 continue
-            if beat.stats.get("follows_newest", 1.0) and int(versions.get(name.encode(), -1)) < version:
+            serves = {suffix: int(versions.get(f"{name}{suffix}".encode(), -1)) for suffix in wanted}
+            if beat.stats.get("follows_newest", 1.0) and any(serves[s] < v for s, v in wanted.items()):
                 behind.append(beat.instance)
         if not behind:
             return True
@@ -82,6 +86,13 @@ class Ending:
         report.event(self.r, self.keys, "end_round_nodes_behind", version=version, nodes=behind)
         self.log.warning("end_round_nodes_behind", version=version, nodes=behind)
         return True
+
+    def _wanted(self, version: int) -> dict[str, int]:
+        """`versions` field suffix -> the version a node must serve there: each role's final
+        version under `:<role>` (shared/roles.node_field) once the roles answered, else
+        `version` in the node's own field."""
+        roles = dataend.role_answers(self.r.hgetall(self.keys.data_end))
+        return {f":{role}": answer for role, answer in roles.items()} or {"": version}
 
     def _trainer_expected(self, groups: Iterable[Group]) -> bool:
         """Is an answer worth waiting for? A trainer beats, or died (it may be restarted); or,
