@@ -134,6 +134,10 @@ def test_with_trained_roles_the_end_round_waits_for_each_roles_final_version_on_
     assert not ending.served(3)  # the wolves' weights there are one version old
     r.hset(keys.versions, "inference:n0:wolves", 4)
     assert ending.served(3)
+    r.hset(keys.data_end, dataend.role_answer_field("policy"), 2)  # a role named as the default one
+    assert not ending.served(3)  # its version is the node's own field's, still 0
+    r.hset(keys.versions, "inference:n0", 2)
+    assert ending.served(3)
 
 
 def test_the_summary_says_which_version_the_last_round_measured():

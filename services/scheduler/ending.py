@@ -17,6 +17,7 @@ from squall.shared import dataend
 from squall.shared.config import SchedulerSection
 from squall.shared.heartbeat import read_heartbeats, state_of
 from squall.shared.keys import Keys
+from squall.shared.roles import DEFAULT_ROLE
 
 from . import report
 from .groups import Group
@@ -92,7 +93,8 @@ class Ending:
         version under `:<role>` (shared/roles.node_field) once the roles answered, else
         `version` in the node's own field."""
         roles = dataend.role_answers(self.r.hgetall(self.keys.data_end))
-        return {f":{role}": answer for role, answer in roles.items()} or {"": version}
+        # the default role's field is the node's own (shared/roles.node_field)
+        return {("" if role == DEFAULT_ROLE else f":{role}"): v for role, v in roles.items()} or {"": version}
 
     def _trainer_expected(self, groups: Iterable[Group]) -> bool:
         """Is an answer worth waiting for? A trainer beats, or died (it may be restarted); or,
