@@ -221,6 +221,7 @@ def run_squall(
     began = time.time()
     rc, wall, peak = run_logged(cmd, out / "log.txt", env, args.minutes * 60 + 300)
     metrics = read_jsonl(run_dir / "metrics.jsonl")
+    summary = load_json(run_dir / "summary.json", {})  # `squall up`'s final report
     checkpoints = []
     for m in metrics:
         folder = version_dir(run_dir, int(m["version"]))
@@ -234,16 +235,15 @@ def run_squall(
         "checkpoints": checkpoints, "tokens_per_s": generated_tokens(run_dir) / wall,
         "trained_tokens_per_s": sum(m.get("tokens", 0.0) for m in metrics) / wall,
         "trainer_busy": busy / wall, "command": "squall up ... " + " ".join(f"{k}={v}" for k, v in env.items()),
-        "profile": squall_profile(metrics, wall) | {"stale_dropped": stale_dropped(run_dir)},
-        "log": str(out / "log.txt"), "warnings": load_json(run_dir / "summary.json", {}).get("warnings", []),
+        "profile": squall_profile(metrics, wall) | {"stale_dropped": stale_dropped(summary)},
+        "log": str(out / "log.txt"), "warnings": summary.get("warnings", []),
     }  # fmt: skip
 
 
-def stale_dropped(run_dir: Path) -> float:
+def stale_dropped(summary: dict) -> float:
     """Finished attempts the trainer dropped as older than trainer.max_sample_age (rollouts spent
     for nothing), from the run's final ledger (`squall up`'s summary.json): the step metrics miss
     those committed between steps."""
-    summary = load_json(run_dir / "summary.json", {})
     return float(summary.get("ledger", {}).get("filtered:stale", 0))
 
 

@@ -17,7 +17,7 @@ from squall.shared import dataend
 from squall.shared.config import SchedulerSection
 from squall.shared.heartbeat import read_heartbeats, state_of
 from squall.shared.keys import Keys
-from squall.shared.roles import DEFAULT_ROLE
+from squall.shared.roles import DEFAULT_ROLE, node_field
 
 from . import report
 from .groups import Group
@@ -72,11 +72,13 @@ class Ending:
         versions = self.r.hgetall(self.keys.versions)
         wanted = self._wanted(version)
         behind = []
-        for name, beat, _ in read_heartbeats(self.r, self.keys):
+        for _field, beat, _ in read_heartbeats(self.r, self.keys):
             if beat is None or beat.service != "inference" or state_of(beat) != "alive":
                 continue
-            serves = {suffix: int(versions.get(f"{name}{suffix}".encode(), -1)) for suffix in wanted}
-            if beat.stats.get("follows_newest", 1.0) and any(serves[s] < v for s, v in wanted.items()):
+            serves = {
+                role: int(versions.get(node_field(beat.instance, role).encode(), -1)) for role in wanted
+            }
+            if beat.stats.get("follows_newest", 1.0) and any(serves[role] < v for role, v in wanted.items()):
                 behind.append(beat.instance)
         if not behind:
             return True
@@ -89,12 +91,9 @@ class Ending:
         return True
 
     def _wanted(self, version: int) -> dict[str, int]:
-        """`versions` field suffix -> the version a node must serve there: each role's final
-        version under `:<role>` (shared/roles.node_field) once the roles answered, else
-        `version` in the node's own field."""
-        roles = dataend.role_answers(self.r.hgetall(self.keys.data_end))
-        # the default role's field is the node's own (shared/roles.node_field)
-        return {("" if role == DEFAULT_ROLE else f":{role}"): v for role, v in roles.items()} or {"": version}
+        """Role -> the version a node must serve of it: each trained role's final version once
+        the roles answered, else `version` of the default role (the node's own field)."""
+        return dataend.role_answers(self.r.hgetall(self.keys.data_end)) or {DEFAULT_ROLE: version}
 
     def _trainer_expected(self, groups: Iterable[Group]) -> bool:
         """Is an answer worth waiting for? A trainer beats, or died (it may be restarted); or,

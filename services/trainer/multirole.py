@@ -211,20 +211,17 @@ class RoleTrainer(Trainer):
     def _data_end(self) -> dataend.DataEnd:
         """The data end as this role sees it: owed until this role answered (`trainer_version:<role>`)."""
         end = dataend.read(self.r, self.keys)
-        raw = self.r.hgetall(self.keys.data_end)  # HGETALL: what the trainer's ACL grants on data_end
-        field = dataend.role_answer_field(self.role)
-        mine = raw.get(field.encode(), raw.get(field))
-        return dataclasses.replace(end, trainer_version=int(mine) if mine is not None else None)
+        answers = dataend.role_answers(self.r.hgetall(self.keys.data_end))  # HGETALL: what the ACL grants
+        return dataclasses.replace(end, trainer_version=answers.get(self.role))
 
     def _announce_trained(self) -> None:
         """This role's answer; the run's (what the scheduler waits for) once every role answered.
         The run's end version is the first role's (the scheduler validates one version)."""
         self.r.hset(self.keys.data_end, dataend.role_answer_field(self.role), self.state.version)
-        raw = self.r.hgetall(self.keys.data_end)
-        fields = [dataend.role_answer_field(role.name) for role in roles_of(self.run_config)]
-        answers = [raw.get(field.encode(), raw.get(field)) for field in fields]
-        if all(answer is not None for answer in answers):
-            dataend.announce_trained(self.r, self.keys, int(answers[0]), self.state.step)
+        answers = dataend.role_answers(self.r.hgetall(self.keys.data_end))
+        names = [role.name for role in roles_of(self.run_config)]
+        if all(name in answers for name in names):
+            dataend.announce_trained(self.r, self.keys, answers[names[0]], self.state.step)
 
 
 def build_trainers(config: RunConfig) -> list[RoleTrainer]:
