@@ -6,14 +6,15 @@ and platform (pip's own resolver, `--dry-run --report`), leaves out what the tar
 (`--skip`, or a `pip freeze` of it with `--have`), downloads the rest as wheels with squall's own
 wheel built from this checkout, and writes `install.sh`, which installs them there with no index:
 
-    python scripts/offline_wheels.py --out .wheelhouse --python-version 3.12 \
-        --skip torch,transformers,tokenizers,safetensors,huggingface-hub,numpy,pyarrow \
-        trl==1.16.0 datasets==5.2.0 pytest pytest-timeout
+    python scripts/offline_wheels.py --out .wheelhouse --python-version 3.12 --extras ml,data \
+        --skip transformers,tokenizers,safetensors,huggingface-hub,numpy,pyarrow,pandas,accelerate,peft \
+        trl==1.16.0 datasets==5.2.0 openai pytest pytest-timeout
     # copy .wheelhouse to the target, then there:
     sh .wheelhouse/install.sh /tmp/site && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
 
-install.sh ends with `pip check`, so a package that was skipped but is missing on the target is
-named there, before anything runs. docs/gpu.md uses it for the race on a GPU machine.
+install.sh ends with `pip check`, so a package that was skipped but is missing on the target, or
+a carried wheel that shadows a version the target's packages need, is named there before
+anything runs. docs/gpu.md uses it for the race on a GPU machine.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pathlib import Path
 
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
 # PyTorch brings its CUDA libraries as wheels of their own; a node with torch has them all.
@@ -37,17 +39,11 @@ DEFAULT_PLATFORM = "manylinux_2_28_x86_64"
 LEGACY_MANYLINUX = {17: "manylinux2014", 12: "manylinux2010", 5: "manylinux1"}
 
 
-def canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
 def skipped(name: str, patterns: list[str]) -> bool:
-    name = canonical(name)
-    for pattern in patterns:
-        pattern = canonical(pattern)
-        if name == pattern or (pattern.endswith("*") and name.startswith(pattern[:-1])):
-            return True
-    return False
+    """Is the canonical `name` one of the canonical patterns ('name' or 'prefix-*')?"""
+    return any(
+        name == pattern or (pattern.endswith("*") and name.startswith(pattern[:-1])) for pattern in patterns
+    )
 
 
 def names_in_freeze(path: Path) -> list[str]:
@@ -168,11 +164,12 @@ def needed(entries: list[dict], roots: list[str], patterns: list[str], markers: 
     networkx, say) is left out too; what squall or a requirement also needs directly stays.
     """
     requires = {
-        canonical(entry["metadata"]["name"]): entry["metadata"].get("requires_dist", []) for entry in entries
+        canonicalize_name(entry["metadata"]["name"]): entry["metadata"].get("requires_dist", [])
+        for entry in entries
     }
     keep: set[str] = set()
     seen: set[tuple[str, frozenset]] = set()
-    stack = [(canonical(root.name), frozenset(root.extras)) for root in map(Requirement, roots)]
+    stack = [(canonicalize_name(root.name), frozenset(root.extras)) for root in map(Requirement, roots)]
     while stack:
         name, extras = stack.pop()
         if (name, extras) in seen or name not in requires:
@@ -187,7 +184,7 @@ def needed(entries: list[dict], roots: list[str], patterns: list[str], markers: 
                 requirement.marker.evaluate({**markers, "extra": extra}) for extra in (extras or {""})
             )
             if wanted_here:
-                stack.append((canonical(requirement.name), frozenset(requirement.extras)))
+                stack.append((canonicalize_name(requirement.name), frozenset(requirement.extras)))
     return keep
 
 
@@ -250,9 +247,10 @@ def main() -> None:
     args = parser.parse_args()
 
     args.out = args.out.resolve()
-    patterns = [*TORCH_STACK, *filter(None, args.skip.split(","))]
+    names = [*TORCH_STACK, *filter(None, args.skip.split(","))]
     if args.have:
-        patterns += names_in_freeze(args.have)
+        names += names_in_freeze(args.have)
+    patterns = [canonicalize_name(name) for name in names]
     if args.out.exists():
         shutil.rmtree(args.out)
     args.out.mkdir(parents=True)
@@ -261,7 +259,7 @@ def main() -> None:
     entries = resolve(args, squall_wheel)
     roots = [squall_root(args), *args.requirements]
     keep = needed(entries, roots, patterns, target_markers(args))
-    pins = {canonical(e["metadata"]["name"]): e["metadata"]["version"] for e in entries}
+    pins = {canonicalize_name(e["metadata"]["name"]): e["metadata"]["version"] for e in entries}
     wanted = sorted(name for name in keep if name != "squall")
     download(args, [f"{name}=={pins[name]}" for name in wanted], args.out)
     (args.out / "install.sh").write_text(INSTALL_SH)
