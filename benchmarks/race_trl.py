@@ -81,6 +81,16 @@ def make_reward(chat: Any, agent: Any, answer: Any, stats: dict[str, Any]) -> An
     return reward
 
 
+def checkpointing_field(config_class: Any, on: bool) -> dict[str, bool]:
+    """The training argument that switches activation checkpointing: `activation_checkpointing`
+    where transformers has it (5.23 on; `gradient_checkpointing` warns there and goes in v6)."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(config_class)}
+    name = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+    return {name: on}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
@@ -209,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         temperature=p["temperature"],
         top_p=1.0,
         top_k=0,
-        gradient_checkpointing=p["gradient_checkpointing"],
+        **checkpointing_field(GRPOConfig, p["gradient_checkpointing"]),
         max_steps=args.max_steps or 100000,
         logging_steps=1,
         save_strategy="no",

@@ -6,6 +6,7 @@ between two roles' steps resumes training nothing twice and losing nothing, per 
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -27,6 +28,7 @@ from squall.shared.keys import Keys, trainer_group
 from squall.shared.ledger import Ledger
 from squall.shared.schemas import Trajectory, WeightVersion, decode
 from squall.trainer.multirole import RoleLoop, build_trainers
+from squall.trainer.sequences import trajectory_to_samples
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
@@ -257,3 +259,37 @@ def test_kill_9_between_two_roles_steps_trains_nothing_twice_and_loses_nothing(
         k.decode(): int(v) for k, v in r.hgetall(keys.data_end).items() if k.startswith(b"trainer_version")
     }
     assert answers == {"trainer_version:wolves": 1, "trainer_version:villagers": 1, "trainer_version": 1}
+
+
+def test_activation_checkpointing_on_the_shared_base_trains_each_roles_adapter(tmp_path, run_name, redis_url):
+    """`trainer.gradient_checkpointing` in a roles run: the base recomputes activations (through
+    transformers' current name for it, not the alias v6 removes) and a step still reaches the
+    active role's adapter, and only it, through the checkpointed layers."""
+    import warnings
+
+    torch.set_num_threads(1)
+    config = roles_config(tmp_path, make_tiny_model(tmp_path / "model"), run_name, redis_url)
+    config = config.model_copy(
+        update={"trainer": config.trainer.model_copy(update={"gradient_checkpointing": True})}
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wolves, villagers = build_trainers(config)
+    assert not [w for w in caught if "gradient_checkpointing_enable" in str(w.message)]
+    base = wolves.backend.model.get_base_model()
+    assert getattr(base, "is_activation_checkpointing", None) or base.is_gradient_checkpointing
+
+    def adapter(role: str) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in base.named_parameters() if f".{role}." in n}
+
+    before = {role: adapter(role) for role in SEATS}
+    model = wolves.backend.model
+    samples = []
+    for i in range(4):
+        t = sampled_trajectory(model, "g", i, float(i % 2), seed=i)
+        samples += trajectory_to_samples(t, advantage=1.0 if i % 2 else -1.0)
+    metrics = wolves.backend.train_step(samples)
+    assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+    after = {role: adapter(role) for role in SEATS}
+    assert any(not torch.equal(before["wolves"][n], after["wolves"][n]) for n in before["wolves"])
+    assert all(torch.equal(before["villagers"][n], after["villagers"][n]) for n in before["villagers"])

@@ -42,7 +42,7 @@ from squall.shared.roleplan import Role, roles_of, trainer_section
 
 from . import distributed, lora
 from .sequences import Sample
-from .torch_backend import TorchBackend, shares_prefix
+from .torch_backend import TorchBackend, enable_activation_checkpointing, shares_prefix
 from .trainer import Trainer, _on_signal, record_stop_signals
 
 ROLES_DIR = "roles"  # {run.dir}/roles/<role>/: one role's checkpoints, weights and logs
@@ -88,7 +88,7 @@ class SharedBase:
         base.train()
         base.config.use_cache = False
         if config.trainer.gradient_checkpointing:  # before the adapters: peft keeps the setting
-            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_activation_checkpointing(base)
         self.vocab_size = int(base.config.vocab_size)
         pad = getattr(base.config, "pad_token_id", None)
         self.pad_id = int(pad) if pad is not None else 0

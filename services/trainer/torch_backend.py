@@ -31,6 +31,16 @@ from .sequences import Sample, collate, token_weights
 resolve_device = distributed.resolve_device  # where it lived before (imported from here)
 
 
+def enable_activation_checkpointing(model: Any) -> None:
+    """Recompute activations in the backward pass instead of keeping them (`trainer.gradient_checkpointing`).
+    Newer transformers call it `activation_checkpointing_enable` (5.23 warns on the old name, v6
+    drops it); older releases (vLLM's venv, a GPU node's own) have only the old name."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def shares_prefix(cfg: TrainerSection, world: distributed.World) -> bool:
     """Whether shared prompts run once (prefix_sharing.py). Not under FSDP: a rank whose
     micro-batch shares would call the model twice while another calls it once, and the
@@ -55,12 +65,7 @@ class TorchBackend(TrainerBackend):
         self.model.train()
         self.model.config.use_cache = False
         if self.cfg.gradient_checkpointing:  # before LoRA wraps it: peft keeps the setting
-            if hasattr(self.model, "activation_checkpointing_enable"):  # its name from transformers 5.x
-                self.model.activation_checkpointing_enable({"use_reentrant": False})
-            else:
-                self.model.gradient_checkpointing_enable(
-                    gradient_checkpointing_kwargs={"use_reentrant": False}
-                )
+            enable_activation_checkpointing(self.model)
         self.autocast = self.device.type == "cuda"
         self.vocab_size = int(self.model.config.vocab_size)
         pad = getattr(self.model.config, "pad_token_id", None)
