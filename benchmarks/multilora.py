@@ -170,11 +170,13 @@ async def publish_to_applied(args: argparse.Namespace, tmp: Path, reference: Any
 @torch.inference_mode()
 def decode_steps(model: Any, ids: torch.Tensor, steps: int, **extra: Any) -> float:
     """Seconds for a prefill of `ids` and `steps` greedy decode steps through the KV cache."""
+    from squall.shared.transformers_compat import cache_arg, returned_cache
+
     start = time.perf_counter()
     out = model(input_ids=ids, use_cache=True, **extra)
     for _ in range(steps):
         token = out.logits[:, -1:].argmax(-1)
-        out = model(input_ids=token, past_key_values=out.past_key_values, use_cache=True, **extra)
+        out = model(input_ids=token, use_cache=True, **cache_arg(model, returned_cache(out)), **extra)
     return time.perf_counter() - start
 
 

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from squall.inference.engines.kvcache import GROWTH_STEP, RoomyLayer, _append, roomy_cache, stack_caches
 from squall.inference.tiny import build_tiny_model
+from squall.shared.transformers_compat import cache_arg
 
 torch.set_num_threads(1)
 
@@ -50,7 +51,7 @@ def test_a_replaced_tensor_starts_a_new_buffer_with_its_own_contents():
 def _decode(model, cache, prompt, steps, edit=None):
     """Greedy decode of `prompt` (B, T) for `steps` tokens; the logits of every step."""
     mask = torch.ones_like(prompt)
-    out = model(input_ids=prompt, attention_mask=mask, past_key_values=cache, use_cache=True)
+    out = model(input_ids=prompt, attention_mask=mask, use_cache=True, **cache_arg(model, cache))
     logits = [out.logits[:, -1]]
     for step in range(steps):
         if edit is not None and step == steps // 2:
@@ -60,7 +61,11 @@ def _decode(model, cache, prompt, steps, edit=None):
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
         position = mask.sum(-1, keepdim=True) - 1
         out = model(
-            input_ids=token, attention_mask=mask, position_ids=position, past_key_values=cache, use_cache=True
+            input_ids=token,
+            attention_mask=mask,
+            position_ids=position,
+            use_cache=True,
+            **cache_arg(model, cache),
         )
         logits.append(out.logits[:, -1])
     return torch.stack(logits, 1)
@@ -100,7 +105,7 @@ def test_roomy_cache_after_rows_are_dropped_and_trimmed(model):
 
 def _prefill(model, cache, prompt):
     mask = torch.ones_like(prompt)
-    out = model(input_ids=prompt, attention_mask=mask, past_key_values=cache, use_cache=True)
+    out = model(input_ids=prompt, attention_mask=mask, use_cache=True, **cache_arg(model, cache))
     return out.logits[:, -1], mask
 
 
@@ -109,7 +114,7 @@ def _greedy_step(model, cache, logits, mask):
     mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
     out = model(
         input_ids=logits.argmax(-1, keepdim=True), attention_mask=mask,
-        position_ids=mask.sum(-1, keepdim=True) - 1, past_key_values=cache, use_cache=True,
+        position_ids=mask.sum(-1, keepdim=True) - 1, use_cache=True, **cache_arg(model, cache),
     )  # fmt: skip
     return out.logits[:, -1], mask
 

@@ -63,6 +63,7 @@ from typing import Any
 
 from examples.calc import agent as calc_agent
 from examples.calc import tasks
+from squall.shared.transformers_compat import cache_arg, returned_cache
 
 TOOL_CALL_RE = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.DOTALL)
 
@@ -203,9 +204,11 @@ def forward_shared_prefix(model: Any, ids: Any, attention: Any) -> Any:
     if prefix == 0:
         return model(input_ids=ids, attention_mask=attention).logits
     head = model(input_ids=ids[:1, :prefix], use_cache=True)
-    cache = head.past_key_values
+    cache = returned_cache(head)
     cache.batch_repeat_interleave(ids.shape[0])
-    tail = model(input_ids=ids[:, prefix:], attention_mask=attention, past_key_values=cache, use_cache=True)
+    tail = model(
+        input_ids=ids[:, prefix:], attention_mask=attention, use_cache=True, **cache_arg(model, cache)
+    )
     return torch.cat([head.logits.expand(ids.shape[0], -1, -1), tail.logits], dim=1)
 
 
@@ -264,9 +267,8 @@ def sample_reply(model: Any, tokenizer: Any, prompt_ids: list[int], gen: Any, ma
             out.append(token)
             if token == eos:
                 break
-            result = model(
-                input_ids=torch.tensor([[token]]), past_key_values=result.past_key_values, use_cache=True
-            )
+            cache = cache_arg(model, returned_cache(result))
+            result = model(input_ids=torch.tensor([[token]]), use_cache=True, **cache)
     return out
 
 

@@ -39,10 +39,11 @@ from squall.shared.errors import ConfigError
 from squall.shared.logs import get_logger
 from squall.shared.retry import REDIS_ERRORS
 from squall.shared.roleplan import Role, roles_of, trainer_section
+from squall.shared.transformers_compat import enable_activation_checkpointing
 
 from . import distributed, lora
 from .sequences import Sample
-from .torch_backend import TorchBackend, enable_activation_checkpointing, shares_prefix
+from .torch_backend import TorchBackend, shares_prefix
 from .trainer import Trainer, _on_signal, record_stop_signals
 
 ROLES_DIR = "roles"  # {run.dir}/roles/<role>/: one role's checkpoints, weights and logs

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from squall.shared.config import RunConfig, TrainerSection
+from squall.shared.transformers_compat import cache_arg, enable_activation_checkpointing, returned_cache
 
 from . import distributed, lora
 from .backend import TrainerBackend
@@ -29,16 +30,6 @@ from .prefix_sharing import Microbatch, plan_microbatches
 from .sequences import Sample, collate, token_weights
 
 resolve_device = distributed.resolve_device  # where it lived before (imported from here)
-
-
-def enable_activation_checkpointing(model: Any) -> None:
-    """Recompute activations in the backward pass instead of keeping them (`trainer.gradient_checkpointing`).
-    Newer transformers call it `activation_checkpointing_enable` (5.23 warns on the old name, v6
-    drops it); older releases (vLLM's venv, a GPU node's own) have only the old name."""
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def shares_prefix(cfg: TrainerSection, world: distributed.World) -> bool:
@@ -94,15 +85,15 @@ class TorchBackend(TrainerBackend):
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             if not prefix:
                 return model(input_ids=ids, attention_mask=attn).logits[:, :-1]
-            cache = model(input_ids=ids[:1, :prefix], use_cache=True).past_key_values
+            cache = returned_cache(model(input_ids=ids[:1, :prefix], use_cache=True))
             cache.batch_repeat_interleave(ids.shape[0])
             positions = torch.arange(prefix, ids.shape[1], device=self.device).expand(ids.shape[0], -1)
             logits = model(
                 input_ids=ids[:, prefix:],
                 attention_mask=attn,
                 position_ids=positions,
-                past_key_values=cache,
                 use_cache=True,
+                **cache_arg(model, cache),
             ).logits
         return logits[:, :-1]
 

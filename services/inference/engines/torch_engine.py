@@ -64,6 +64,7 @@ from squall.shared.adapterfiles import FORMAT_LORA, verify_adapter
 from squall.shared.config import InferenceSection
 from squall.shared.errors import WeightsError
 from squall.shared.roles import DEFAULT_ROLE
+from squall.shared.transformers_compat import cache_arg, returned_cache
 from squall.shared.weightfiles import read_index
 
 log = structlog.get_logger()
@@ -649,15 +650,15 @@ class TorchEngine(Engine):
             input_ids=ids.to(self.device),
             attention_mask=mask.to(self.device),
             position_ids=positions.to(self.device),
-            past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
+            **cache_arg(self.model, cache),
         )
         # n choices share one prefill: repeat each prompt's row n times.
         rows = torch.tensor(
             [row_of[(r.slot, tuple(r.prompt_ids))] for r in requests for _ in range(r.params.n)]
         )
-        cache = out.past_key_values
+        cache = returned_cache(out)
         cache.batch_select_indices(rows.to(self.device))
         seqs = [_Sequence(r, i, self._decode_text) for r in requests for i in range(r.params.n)]
         logits = out.logits[:, -1].index_select(0, rows.to(self.device))  # (B_new, V)
@@ -684,9 +685,9 @@ class TorchEngine(Engine):
             self.model(
                 input_ids=torch.tensor([prefix[reused:]], device=self.device),
                 position_ids=torch.arange(reused, len(prefix), device=self.device)[None],
-                past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=1,
+                **cache_arg(self.model, cache),
             )
         self._prefix = (prefix, [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers])
         self._prefill_tokens += len(prefix) - reused
@@ -717,8 +718,8 @@ class TorchEngine(Engine):
             input_ids=self._last[:, None],
             attention_mask=self._mask,
             position_ids=self._pos[:, None],
-            past_key_values=self._cache,
             use_cache=True,
+            **cache_arg(self.model, self._cache),
         )
         self._pos = self._pos + 1
         tokens, logprobs = self._sample(out.logits[:, -1], self._temps, self._top_p, self._seqs)
