@@ -154,6 +154,11 @@ class AdapterDisabled:
     def __init__(self, peft_model: Any) -> None:
         self.peft_model = peft_model
 
+    def get_base_model(self) -> Any:
+        """The transformers model under the adapters, as peft's own wrapper names it (whose
+        forward's keywords shared/transformers_compat.py reads)."""
+        return self.peft_model.get_base_model()
+
     def __call__(self, **inputs: Any) -> Any:
         was_training = self.peft_model.training
         self.peft_model.eval()
