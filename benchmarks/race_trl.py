@@ -81,16 +81,6 @@ def make_reward(chat: Any, agent: Any, answer: Any, stats: dict[str, Any]) -> An
     return reward
 
 
-def checkpointing_field(config_class: Any, on: bool) -> dict[str, bool]:
-    """The training argument that switches activation checkpointing: `activation_checkpointing`
-    where transformers has it (5.23 on; `gradient_checkpointing` warns there and goes in v6)."""
-    import dataclasses
-
-    names = {f.name for f in dataclasses.fields(config_class)}
-    name = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
-    return {name: on}
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
@@ -117,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     from trl import GRPOConfig, GRPOTrainer
 
     from squall.inference.prompt import ChatFormat
+    from squall.shared.transformers_compat import checkpointing_argument
 
     agent = importlib.import_module(f"{args.task}.agent")
     p = json.loads(args.params)
@@ -219,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         temperature=p["temperature"],
         top_p=1.0,
         top_k=0,
-        **checkpointing_field(GRPOConfig, p["gradient_checkpointing"]),
+        **checkpointing_argument(GRPOConfig, p["gradient_checkpointing"]),
         max_steps=args.max_steps or 100000,
         logging_steps=1,
         save_strategy="no",

@@ -10,12 +10,14 @@ older install.
 - The KV cache argument of a causal LM's forward and the output field holding it: `cache`
   from transformers 5.24 (`past_key_values` warns there and is removed in 5.40);
   `past_key_values` before.
-- Activation checkpointing: `activation_checkpointing_enable` (`gradient_checkpointing_enable`
-  warns from 5.23 and is removed in v6).
+- Activation checkpointing: `activation_checkpointing_enable` and the training argument
+  `activation_checkpointing` (`gradient_checkpointing_enable` and `gradient_checkpointing`
+  warn from 5.23 and are removed in v6).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from typing import Any
@@ -53,3 +55,11 @@ def enable_activation_checkpointing(model: Any) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def checkpointing_argument(arguments_class: Any, on: bool) -> dict[str, bool]:
+    """The keyword a `TrainingArguments` dataclass (TRL's configs subclass it) switches activation
+    checkpointing by: `arguments_class(..., **checkpointing_argument(arguments_class, True))`."""
+    fields = {f.name for f in dataclasses.fields(arguments_class)}
+    name = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+    return {name: on}

@@ -17,6 +17,7 @@ from squall.inference.tiny import build_tiny_model
 from squall.shared.transformers_compat import (
     cache_arg,
     cache_keyword,
+    checkpointing_argument,
     enable_activation_checkpointing,
     returned_cache,
 )
@@ -65,3 +66,14 @@ def test_activation_checkpointing_switches_on(folder):
     ids = torch.randint(10, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
     model(input_ids=ids, labels=ids).loss.backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("on", [False, True])
+def test_training_arguments_take_checkpointing_by_the_current_name(tmp_path, on):
+    from transformers import TrainingArguments
+
+    arguments = TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, **checkpointing_argument(TrainingArguments, on)
+    )
+    assert getattr(arguments, "activation_checkpointing", arguments.gradient_checkpointing) is on
+    assert arguments.gradient_checkpointing is on
